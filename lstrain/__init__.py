@@ -1,0 +1,17 @@
+"""lstrain: fused Triton kernels for training GPT- and BERT-style Transformers.
+
+``lstrain.ops`` holds the functional ops, ``lstrain.nn`` drop-in modules,
+``lstrain.testing`` the property checks. Submodules load on first use, so that
+``lstrain.cli`` can switch Triton's interpreter on before any kernel is defined.
+"""
+
+import importlib
+
+__all__ = ["nn", "ops", "testing"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return importlib.import_module(f"lstrain.{name}")
+    raise AttributeError(f"module 'lstrain' has no attribute {name!r}")

@@ -1,0 +1,97 @@
+"""Where an lstrain op runs.
+
+One rule, applied per call from the device of the op's main input:
+
+* CUDA tensor -> ``"triton"``: the compiled Triton kernels.
+* CPU tensor with the Triton interpreter active -> ``"interpreter"``: the same Triton
+  kernels, executed by Triton's CPU interpreter (slow, but the real kernel code paths).
+* CPU tensor otherwise -> ``"reference"``: the op's plain-PyTorch ``*_ref``.
+
+Triton decides whether a kernel is interpreted when the kernel is *defined*, from the
+environment variable ``TRITON_INTERPRET``. So the interpreter has to be switched on before
+any lstrain submodule is imported: ``TRITON_INTERPRET=1 python ...``, or
+``os.environ["TRITON_INTERPRET"] = "1"`` first thing in a program (``lstrain check`` does
+that on a machine with no GPU).
+
+Tests ask which backend ran with :func:`record_backends`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import triton
+
+__all__ = [
+    "Backend",
+    "backend_for",
+    "interpreter_active",
+    "note",
+    "record_backends",
+]
+
+Backend = str  # "triton" | "interpreter" | "reference"
+
+_recorded: list[tuple[str, Backend]] | None = None
+
+
+@triton.jit
+def _probe_kernel():
+    pass
+
+
+# Triton fixes a kernel's mode when it is defined, and lstrain's kernels are defined
+# right after this module is imported, under the same environment.
+_INTERPRETED = type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
+def interpreter_active() -> bool:
+    """True when lstrain's Triton kernels were defined for the CPU interpreter."""
+    return _INTERPRETED
+
+
+def backend_for(tensor: torch.Tensor) -> Backend:
+    """The backend an op whose main input is ``tensor`` runs on."""
+    if interpreter_active():
+        return "interpreter"
+    return "triton" if tensor.is_cuda else "reference"
+
+
+def note(op: str, backend: Backend) -> None:
+    """Record that ``op`` ran on ``backend`` while :func:`record_backends` is open."""
+    if _recorded is not None:
+        _recorded.append((op, backend))
+
+
+@contextlib.contextmanager
+def record_backends() -> Iterator[list[tuple[str, Backend]]]:
+    """Collect ``(op, backend)`` for every lstrain op called inside the block.
+
+    Example::
+
+        with record_backends() as ran:
+            lstrain.ops.layer_norm(x, (64,))
+        assert ran == [("layer_norm", "interpreter")]
+    """
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+@functools.cache
+def multiprocessor_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (a handful for the interpreter)."""
+    if device_index < 0:
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_index(tensor: torch.Tensor) -> int:
+    """CUDA device index of ``tensor``, or -1 for a CPU tensor."""
+    return tensor.device.index if tensor.is_cuda else -1

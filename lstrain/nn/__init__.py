@@ -1,0 +1,6 @@
+"""torch.nn-compatible modules over lstrain.ops (drop-in signatures)."""
+
+from lstrain.nn.attention_softmax import AttentionSoftmax
+from lstrain.nn.layer_norm import LayerNorm
+
+__all__ = ["AttentionSoftmax", "LayerNorm"]

@@ -1,0 +1,506 @@
+"""LayerNorm over the trailing dims: y = (x - mean) / sqrt(var + eps) * weight + bias.
+
+Forward: one program normalises a tile of rows held in registers (rows longer than
+``MAX_TILE_COLS_FWD`` are streamed in chunks, three passes over the row, the re-reads
+served by L2). Mean and rstd are kept in fp32 for backward.
+
+Backward: a persistent grid; each program walks a fixed set of rows, writes dx, and
+accumulates dweight/dbias in fp32 registers (or in its own fp32 row of a partials buffer
+for chunked rows). A second small kernel sums the per-program partials in a fixed order,
+so the parameter gradients are deterministic without atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+
+__all__ = [
+    "LayerNormFunction",
+    "LayerNormPlan",
+    "layer_norm",
+    "layer_norm_bwd",
+    "layer_norm_bwd_plan",
+    "layer_norm_fwd",
+    "layer_norm_fwd_plan",
+    "layer_norm_ref",
+]
+
+# Longest row (power of two) kept whole in registers; longer rows are chunked.
+MAX_TILE_COLS_FWD = 16384
+MAX_TILE_COLS_BWD = 8192
+_CHUNK_COLS = 4096
+_TILE_ELEMENTS = 4096
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    y_ptr,
+    weight_ptr,
+    bias_ptr,
+    mean_ptr,
+    rstd_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    y_row_stride,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = row < rows
+    col = tl.arange(0, BLOCK_COLS)
+    x_rows = x_ptr + row[:, None] * x_row_stride
+    y_rows = y_ptr + row[:, None] * y_row_stride
+    eps = tl.cast(eps, tl.float32)
+    if SINGLE_TILE:
+        mask = row_ok[:, None] & (col < cols)[None, :]
+        x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / cols
+        centred = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / cols + eps)
+        y = centred * rstd[:, None]
+        if HAS_WEIGHT:
+            y *= tl.load(weight_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_rows + col[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Two-pass statistics (mean, then squared deviations) stay exact for rows with
+        # a large mean, where sum / sum-of-squares would cancel.
+        total = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for start in range(0, cols, BLOCK_COLS):
+            mask = row_ok[:, None] & (start + col < cols)[None, :]
+            total += tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(total, axis=1) / cols
+        total = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for start in range(0, cols, BLOCK_COLS):
+            mask = row_ok[:, None] & (start + col < cols)[None, :]
+            x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            centred = tl.where(mask, x - mean[:, None], 0.0)
+            total += centred * centred
+        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) / cols + eps)
+        for start in range(0, cols, BLOCK_COLS):
+            col_ok = start + col < cols
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                y *= tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_rows + start + col[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean, mask=row_ok)
+    tl.store(rstd_ptr + row, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    x_ptr,
+    dy_ptr,
+    dx_ptr,
+    weight_ptr,
+    mean_ptr,
+    rstd_ptr,
+    partial_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    HAS_WEIGHT: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    col = tl.arange(0, BLOCK_COLS)
+    # Partials layout: [weight grad?, bias grad?] x [programs, cols], fp32.
+    weight_partial = partial_ptr + pid.to(tl.int64) * cols
+    bias_partial = partial_ptr + (WEIGHT_GRAD * programs + pid).to(tl.int64) * cols
+    if SINGLE_TILE:
+        col_ok = col < cols
+        if HAS_WEIGHT:
+            weight = tl.load(weight_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        weight_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        bias_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for first in range(pid * BLOCK_ROWS, rows, programs * BLOCK_ROWS):
+            row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
+            row_ok = row < rows
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+            mean = tl.load(mean_ptr + row, mask=row_ok, other=0.0)
+            rstd = tl.load(rstd_ptr + row, mask=row_ok, other=0.0)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            w_dy = dy * weight if HAS_WEIGHT else dy
+            c1 = tl.sum(x_hat * w_dy, axis=1) / cols
+            c2 = tl.sum(w_dy, axis=1) / cols
+            dx = (w_dy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(dx_ptr + row[:, None] * dx_row_stride + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WEIGHT_GRAD:
+                weight_acc += dy * x_hat
+            if BIAS_GRAD:
+                bias_acc += dy
+        if WEIGHT_GRAD:
+            tl.store(weight_partial + col, tl.sum(weight_acc, axis=0), mask=col_ok)
+        if BIAS_GRAD:
+            tl.store(bias_partial + col, tl.sum(bias_acc, axis=0), mask=col_ok)
+    else:
+        # Chunked rows: each program owns its partials row, so read-add-write there is
+        # race free and the summation order fixed. The launcher zeroes the partials.
+        for row_index in range(pid, rows, programs):
+            row = tl.cast(row_index, tl.int64)
+            x_row = x_ptr + row * x_row_stride
+            dy_row = dy_ptr + row * dy_row_stride
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+            c1_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            c2_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, cols, BLOCK_COLS):
+                col_ok = start + col < cols
+                x = tl.load(x_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                x_hat = tl.where(col_ok, (x - mean) * rstd, 0.0)
+                if HAS_WEIGHT:
+                    dy *= tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                c1_acc += x_hat * dy
+                c2_acc += dy
+            c1 = tl.sum(c1_acc, axis=0) / cols
+            c2 = tl.sum(c2_acc, axis=0) / cols
+            for start in range(0, cols, BLOCK_COLS):
+                col_ok = start + col < cols
+                x = tl.load(x_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                x_hat = tl.where(col_ok, (x - mean) * rstd, 0.0)
+                w_dy = dy
+                if HAS_WEIGHT:
+                    w_dy = dy * tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                dx = (w_dy - (x_hat * c1 + c2)) * rstd
+                tl.store(dx_ptr + row * dx_row_stride + start + col, dx.to(dx_ptr.dtype.element_ty), mask=col_ok)
+                if WEIGHT_GRAD:
+                    acc = tl.load(weight_partial + start + col, mask=col_ok, other=0.0)
+                    tl.store(weight_partial + start + col, acc + dy * x_hat, mask=col_ok)
+                if BIAS_GRAD:
+                    acc = tl.load(bias_partial + start + col, mask=col_ok, other=0.0)
+                    tl.store(bias_partial + start + col, acc + dy, mask=col_ok)
+
+
+@triton.jit
+def _column_sum_kernel(
+    partial_ptr,
+    first_out_ptr,
+    second_out_ptr,
+    programs,
+    cols,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Sum [outputs, programs, cols] fp32 partials over programs; output 1 or 2 on axis 1."""
+    which = tl.program_id(1)
+    col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = col < cols
+    base = partial_ptr + which.to(tl.int64) * programs * cols
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for first in range(0, programs, BLOCK_ROWS):
+        row = first + tl.arange(0, BLOCK_ROWS)
+        mask = (row < programs)[:, None] & col_ok[None, :]
+        acc += tl.load(base + row[:, None] * cols + col[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(first_out_ptr + col, total.to(first_out_ptr.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(second_out_ptr + col, total.to(second_out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@dataclass(frozen=True)
+class LayerNormPlan:
+    """Launch settings of a LayerNorm kernel.
+
+    ``single_tile`` keeps a whole row in registers (``block_cols`` >= cols); otherwise
+    rows are streamed in chunks of ``block_cols`` and ``block_rows`` is 1.
+    ``programs_per_sm`` sizes the persistent backward grid (unused by forward).
+    """
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    single_tile: bool
+    programs_per_sm: int = 1
+
+
+def _warps_for(tile_elements: int) -> int:
+    # About 16 fp32 values per thread: 16-byte loads, few registers, no spills.
+    return max(1, min(16, tile_elements // 512))
+
+
+def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
+    """Forward launch settings for rows of ``cols`` elements (a pure function)."""
+    block_cols = triton.next_power_of_2(cols)
+    if block_cols > MAX_TILE_COLS_FWD:
+        return LayerNormPlan(1, _CHUNK_COLS, _warps_for(_CHUNK_COLS), single_tile=False)
+    # Short rows: several per program so that each program moves a useful tile.
+    block_rows = max(1, min(128, _TILE_ELEMENTS // block_cols))
+    return LayerNormPlan(block_rows, block_cols, _warps_for(block_rows * block_cols), single_tile=True)
+
+
+def layer_norm_bwd_plan(cols: int) -> LayerNormPlan:
+    """Backward launch settings for rows of ``cols`` elements (a pure function)."""
+    block_cols = triton.next_power_of_2(cols)
+    if block_cols > MAX_TILE_COLS_BWD:
+        return LayerNormPlan(1, _CHUNK_COLS, _warps_for(_CHUNK_COLS), single_tile=False, programs_per_sm=2)
+    block_rows = max(1, min(64, _TILE_ELEMENTS // block_cols))
+    warps = _warps_for(block_rows * block_cols)
+    return LayerNormPlan(block_rows, block_cols, warps, single_tile=True, programs_per_sm=max(1, 32 // warps))
+
+
+def _as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """2-D [rows, cols] view of ``t`` (a copy only when the last dim is strided)."""
+    t2d = t.reshape(-1, cols)
+    return t2d if t2d.stride(-1) == 1 or cols == 1 else t2d.contiguous()
+
+
+def layer_norm_fwd(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    plan: LayerNormPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs.
+
+    Returns:
+        ``(y, mean, rstd)``: y shaped and typed like ``x``; mean and rstd fp32 [rows].
+    """
+    cols = math.prod(normalized_shape)
+    x2d = _as_rows(x, cols)
+    rows = x2d.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, mean, rstd
+    plan = plan or layer_norm_fwd_plan(cols)
+    _layer_norm_fwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
+        x2d, y, weight, bias, mean, rstd,
+        rows, cols, x2d.stride(0), cols, eps,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        SINGLE_TILE=plan.single_tile,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight_grad: bool,
+    bias_grad: bool,
+    bias_dtype: torch.dtype | None = None,
+    plan: LayerNormPlan | None = None,
+) -> list[torch.Tensor]:
+    """Launch the backward kernels.
+
+    Returns:
+        ``[dx]`` followed by dweight if ``weight_grad`` and dbias if ``bias_grad``; the
+        parameter gradients are in the parameters' dtypes (``bias_dtype`` for dbias,
+        default ``x.dtype``).
+    """
+    cols = math.prod(normalized_shape)
+    x2d = _as_rows(x, cols)
+    dy2d = _as_rows(dy, cols)
+    rows = x2d.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    plan = plan or layer_norm_bwd_plan(cols)
+    sms = _backend.multiprocessor_count(_backend.device_index(x))
+    programs = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm))
+    outputs = int(weight_grad) + int(bias_grad)
+    alloc = torch.empty if plan.single_tile else torch.zeros
+    partials = alloc((outputs, programs, cols), dtype=torch.float32, device=x.device)
+    _layer_norm_bwd_kernel[(programs,)](
+        x2d, dy2d, dx, weight, mean, rstd, partials,
+        rows, cols, x2d.stride(0), dy2d.stride(0), cols,
+        HAS_WEIGHT=weight is not None,
+        WEIGHT_GRAD=weight_grad,
+        BIAS_GRAD=bias_grad,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        SINGLE_TILE=plan.single_tile,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    grads = [dx]
+    if outputs == 0:
+        return grads
+    if weight_grad:
+        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
+    if bias_grad:
+        grads.append(torch.empty(normalized_shape, dtype=bias_dtype or x.dtype, device=x.device))
+    block_cols = min(256, triton.next_power_of_2(cols))
+    _column_sum_kernel[(triton.cdiv(cols, block_cols), outputs)](
+        partials, grads[1], grads[-1], programs, cols,
+        BLOCK_ROWS=32, BLOCK_COLS=block_cols, num_warps=4,
+    )  # fmt: skip
+    return grads
+
+
+@torch.library.custom_op("lstrain::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(
+    x: torch.Tensor,
+    normalized_shape: list[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_fwd(x, normalized_shape, weight, bias, eps)
+
+
+@_layer_norm_fwd_op.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    rows = x.numel() // math.prod(normalized_shape)
+    stats = x.new_empty(rows, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("lstrain::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    normalized_shape: list[int],
+    weight_grad: bool,
+    bias_grad: bool,
+    bias_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
+    return layer_norm_bwd(dy, x, weight, mean, rstd, normalized_shape, weight_grad, bias_grad, bias_dtype)
+
+
+@_layer_norm_bwd_op.register_fake
+def _(dy, x, weight, mean, rstd, normalized_shape, weight_grad, bias_grad, bias_dtype):
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format)]
+    if weight_grad:
+        grads.append(x.new_empty(normalized_shape, dtype=weight.dtype))
+    if bias_grad:
+        grads.append(x.new_empty(normalized_shape, dtype=bias_dtype or x.dtype))
+    return grads
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd for :func:`layer_norm`; saves x, weight and the fp32 mean/rstd."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):
+        # Eager calls skip the custom-op dispatcher (~10 us of host time per call);
+        # under torch.compile the custom op keeps the kernel opaque to the tracer.
+        fwd = _layer_norm_fwd_op if torch.compiler.is_compiling() else layer_norm_fwd
+        y, mean, rstd = fwd(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.normalized_shape = normalized_shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        bwd = _layer_norm_bwd_op if torch.compiler.is_compiling() else layer_norm_bwd
+        grads = bwd(dy, x, weight, mean, rstd, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype)
+        dweight = grads[1] if weight_grad else None
+        dbias = grads[-1] if bias_grad else None
+        return grads[0], None, dweight, dbias, None
+
+
+def _check_param(name: str, param: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if param is None:
+        return
+    if tuple(param.shape) != shape:
+        raise ValueError(f"layer_norm: {name} has shape {tuple(param.shape)}, expected normalized_shape {shape}")
+    if param.device != x.device:
+        raise ValueError(f"layer_norm: {name} is on {param.device} but x is on {x.device}")
+    if param.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"layer_norm: {name} has dtype {param.dtype}; expected float32, float16 or bfloat16")
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Layer normalisation over the trailing ``normalized_shape`` dims of ``x``.
+
+    Same semantics as :func:`torch.nn.functional.layer_norm`; the statistics and all
+    arithmetic are fp32 whatever the input dtype, with one rounding at the store.
+
+    Args:
+        x: input of shape ``[*, *normalized_shape]``, float32, float16 or bfloat16; any
+            leading shape (0 rows included). Only the last dim needs to be contiguous.
+        normalized_shape: the trailing dims to normalise over (an int or a sequence).
+        weight: optional scale of shape ``normalized_shape``; may have a different float
+            dtype from ``x`` (e.g. fp32 weights with bf16 activations).
+        bias: optional shift of shape ``normalized_shape``.
+        eps: added to the variance before the square root.
+
+    Returns:
+        The normalised tensor, same shape and dtype as ``x`` (contiguous).
+
+    Raises:
+        ValueError: ``x`` does not end in ``normalized_shape``, a parameter has the wrong
+            shape, dtype or device, or ``eps`` is negative.
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
+        raise ValueError(f"layer_norm: x has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"layer_norm: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    _check_param("weight", weight, x, shape)
+    _check_param("bias", bias, x, shape)
+    if not eps >= 0:
+        raise ValueError(f"layer_norm: eps must be >= 0, got {eps}")
+    backend = _backend.backend_for(x)
+    _backend.note("layer_norm", backend)
+    if backend == "reference":
+        return layer_norm_ref(x, shape, weight, bias, eps)
+    return LayerNormFunction.apply(x, list(shape), weight, bias, float(eps))
+
+
+def layer_norm_ref(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """PyTorch's own LayerNorm, with the parameters cast to ``x.dtype`` as it requires."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    weight = None if weight is None else weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)

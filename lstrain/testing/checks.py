@@ -1,0 +1,89 @@
+"""Property checks of every fused op: the registry behind ``lstrain check`` and the tests.
+
+Each :class:`OpCheck` draws cases from a hypothesis strategy, builds the inputs on a
+device, runs the op and its ``*_ref`` under :func:`lstrain.testing.check_function`, and
+reports which backend ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from lstrain import _backend
+from lstrain.ops import attention_softmax, attention_softmax_ref, layer_norm, layer_norm_ref
+from lstrain.testing.compare import Comparison, check_function
+from lstrain.testing.strategies import attention_softmax_cases, layer_norm_cases
+
+__all__ = ["OP_CHECKS", "CheckResult", "OpCheck"]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    comparisons: list[Comparison]
+    backends: list[str]
+
+
+@dataclass(frozen=True)
+class OpCheck:
+    """How to property-check one op: its case strategy and a runner for one case."""
+
+    name: str
+    cases: Callable[[str, torch.dtype | None], st.SearchStrategy[dict]]
+    run: Callable[[dict, str], CheckResult]
+
+    def describe(self, case: dict) -> str:
+        return "x".join(str(n) for n in case["shape"])
+
+
+def _randn(shape, generator, device, dtype=torch.float32, *, mean=0.0):
+    return (torch.randn(shape, generator=generator) + mean).to(device=device, dtype=dtype)
+
+
+def _run_layer_norm(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, shape = case["dtype"], case["normalized_shape"]
+    inputs = {"x": _randn(case["shape"], gen, device, dtype, mean=case["mean"])}
+    if case["weight"]:
+        inputs["weight"] = _randn(shape, gen, device, dtype, mean=1.0)
+    if case["bias"]:
+        inputs["bias"] = _randn(shape, gen, device, dtype)
+
+    def run(fn):
+        return lambda **kw: fn(kw["x"], shape, kw.get("weight"), kw.get("bias"), case["eps"])
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(run(layer_norm), run(layer_norm_ref), inputs, generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_attention_softmax(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    batch, _, _, k_len = case["shape"]
+    inputs = {"scores": _randn(case["shape"], gen, device, case["dtype"]) * 3}
+    options = {"scale": case["scale"], "causal": case["causal"]}
+    if case["padding"] is not None:
+        inputs["key_padding_mask"] = (torch.rand(batch, k_len, generator=gen) < case["padding"]).to(device)
+    if case["mask_shape"] is not None:
+        mask = torch.randn(case["mask_shape"], generator=gen)
+        mask = mask.masked_fill(torch.rand(case["mask_shape"], generator=gen) < 0.2, float("-inf"))
+        inputs["mask"] = mask.to(device=device, dtype=case["dtype"])
+    grad_inputs = ["scores", "mask"] if case["mask_grad"] else ["scores"]
+
+    def run(fn):
+        return lambda **kw: fn(kw["scores"], key_padding_mask=kw.get("key_padding_mask"), mask=kw.get("mask"), **options)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(attention_softmax), run(attention_softmax_ref), inputs, grad_inputs=grad_inputs, generator=gen
+        )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+OP_CHECKS: dict[str, OpCheck] = {
+    "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
+    "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
+}

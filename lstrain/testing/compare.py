@@ -1,0 +1,226 @@
+"""The tolerance rule, and gradient checks of functions and modules against a reference.
+
+The rule (flash-attention's): the error of the tested computation against a precise
+reference (fp64) must be at most twice the error of the *same computation done by
+PyTorch in the tested precision*, plus a small ``atol``:
+
+    max|actual - precise| <= 2 * max|torch_lowp - precise| + atol * max(1, max|precise|)
+
+It adapts to each op, shape and dtype by itself: what PyTorch's own kernels lose to
+rounding is what we may lose, twice over.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "Comparison",
+    "assert_all_passed",
+    "check_function",
+    "check_module",
+    "compare_to_reference",
+]
+
+# Relative to the reference's largest magnitude (at least 1).
+DEFAULT_ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-10}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One tensor checked by the tolerance rule."""
+
+    name: str
+    error: float
+    allowed: float
+    torch_error: float
+    worst_index: tuple[int, ...]
+    actual_value: float
+    reference_value: float
+    nan_mismatch: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return self.nan_mismatch == 0 and self.error <= self.allowed
+
+    def message(self) -> str:
+        if self.nan_mismatch:
+            return f"{self.name}: NaN pattern differs from the reference at {self.nan_mismatch} element(s), first at {self.worst_index}"
+        verdict = "ok" if self.passed else "FAILS"
+        return (
+            f"{self.name}: max error {self.error:.3g} at {self.worst_index} "
+            f"(got {self.actual_value:.6g}, reference {self.reference_value:.6g}); "
+            f"allowed {self.allowed:.3g} = 2 x torch's own {self.torch_error:.3g} + atol -> {verdict}"
+        )
+
+
+def compare_to_reference(
+    name: str,
+    actual: torch.Tensor,
+    precise: torch.Tensor,
+    torch_lowp: torch.Tensor,
+    *,
+    atol: float | None = None,
+) -> Comparison:
+    """Apply the tolerance rule to one tensor.
+
+    Args:
+        name: what the tensor is, for the report (e.g. ``"grad x"``).
+        actual: the tested result.
+        precise: the reference computed in fp64 (or fp32 for fp32-only checks).
+        torch_lowp: the same computation by PyTorch in ``actual``'s precision.
+        atol: absolute slack relative to max(1, max|precise|); default by ``actual``'s dtype.
+
+    Returns:
+        A :class:`Comparison`; NaNs must sit exactly where the reference has them.
+
+    Raises:
+        ValueError: the three tensors do not have the same shape.
+    """
+    if not (actual.shape == precise.shape == torch_lowp.shape):
+        raise ValueError(
+            f"{name}: shapes differ: actual {tuple(actual.shape)}, reference {tuple(precise.shape)}, torch {tuple(torch_lowp.shape)}"
+        )
+    atol = DEFAULT_ATOL.get(actual.dtype, 1e-5) if atol is None else atol
+    a, p, t = (v.detach().to(torch.float64).cpu() for v in (actual, precise, torch_lowp))
+    nan_diff = torch.isnan(a) != torch.isnan(p)
+    if nan_diff.any():
+        first = tuple(int(i) for i in nan_diff.nonzero()[0])
+        return Comparison(name, float("nan"), 0.0, 0.0, first, a[first].item(), p[first].item(), int(nan_diff.sum()))
+    if a.numel() == 0:
+        return Comparison(name, 0.0, 0.0, 0.0, (), 0.0, 0.0)
+    finite = torch.isfinite(p)
+    # Infinities must match exactly; they count as zero error where they do.
+    err = torch.where(finite, (a - p).abs(), torch.where(a == p, 0.0, float("inf")))
+    err = torch.nan_to_num(err, nan=0.0)
+    torch_err = torch.nan_to_num(torch.where(finite, (t - p).abs(), 0.0), nan=0.0)
+    scale = max(1.0, p[finite].abs().max().item()) if finite.any() else 1.0
+    flat = int(err.argmax())
+    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+    allowed = 2.0 * torch_err.max().item() + atol * scale
+    return Comparison(name, err.max().item(), allowed, torch_err.max().item(), worst, a[worst].item(), p[worst].item())
+
+
+def assert_all_passed(comparisons: Sequence[Comparison], context: str = "") -> None:
+    """Raise AssertionError listing every comparison, if any failed."""
+    if all(c.passed for c in comparisons):
+        return
+    lines = "\n  ".join(c.message() for c in comparisons)
+    raise AssertionError(f"tolerance rule failed{' for ' + context if context else ''}:\n  {lines}")
+
+
+def _detached(value, dtype: torch.dtype | None, requires_grad: bool):
+    if not isinstance(value, torch.Tensor):
+        return value
+    out = value.detach()
+    if dtype is not None and out.is_floating_point():
+        out = out.to(dtype)
+    return out.clone().requires_grad_(requires_grad)
+
+
+def check_function(
+    fn: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
+    inputs: Mapping[str, object],
+    *,
+    grad_inputs: Sequence[str] | None = None,
+    atol: float | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Comparison]:
+    """Check ``fn``'s output and gradients against ``reference`` by the tolerance rule.
+
+    ``fn`` runs on ``inputs`` as given (the precision under test). ``reference`` runs
+    twice: on fp64 copies of the floating-point inputs (the precise answer) and on copies
+    in their own dtype (PyTorch's own error). One random upstream gradient ``dy`` is
+    shared by the three backward passes.
+
+    Args:
+        fn: the function under test, called with ``**inputs``; returns one tensor.
+        reference: a plain-PyTorch function with the same signature.
+        inputs: keyword arguments; tensors and plain values.
+        grad_inputs: names of the inputs to differentiate (default: every floating-point
+            tensor input).
+        atol: see :func:`compare_to_reference`.
+        generator: for the upstream gradient (CPU generator; reproducible checks).
+
+    Returns:
+        Comparisons for ``output`` and ``grad <name>`` of each differentiated input.
+    """
+    if grad_inputs is None:
+        grad_inputs = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    runs = {}
+    for label, dtype in (("actual", None), ("precise", torch.float64), ("lowp", None)):
+        args = {k: _detached(v, dtype, k in grad_inputs) for k, v in inputs.items()}
+        runs[label] = (args, (fn if label == "actual" else reference)(**args))
+    out = runs["actual"][1]
+    dy = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.device)
+    results = [compare_to_reference("output", out, runs["precise"][1], runs["lowp"][1], atol=atol)]
+    if not grad_inputs:
+        return results
+    grads = {}
+    for label, (args, result) in runs.items():
+        tensors = [args[k] for k in grad_inputs]
+        grads[label] = torch.autograd.grad(result, tensors, dy.to(result.dtype), allow_unused=True)
+    for i, name in enumerate(grad_inputs):
+        got, precise, lowp = (grads[label][i] for label in ("actual", "precise", "lowp"))
+        if got is None or precise is None or lowp is None:
+            if not (got is None and precise is None):
+                results.append(Comparison(f"grad {name}", float("inf"), 0.0, 0.0, (), float("nan"), float("nan")))
+            continue
+        results.append(compare_to_reference(f"grad {name}", got, precise, lowp, atol=atol))
+    return results
+
+
+def check_module(
+    module: torch.nn.Module,
+    reference: torch.nn.Module,
+    *inputs: torch.Tensor,
+    atol: float | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Comparison]:
+    """Check a module's output, input gradients and parameter gradients against a reference module.
+
+    The reference module must have the same parameter names (e.g. ``torch.nn.LayerNorm``
+    for ``lstrain.nn.LayerNorm``). Its parameters are overwritten with ``module``'s; a
+    deep copy of it in fp64 gives the precise answer, the reference itself in the
+    tested dtype gives PyTorch's own error.
+
+    Example::
+
+        ours = lstrain.nn.LayerNorm(1024).cuda().bfloat16()
+        theirs = torch.nn.LayerNorm(1024).cuda().bfloat16()
+        x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+        assert_all_passed(check_module(ours, theirs, x))
+
+    Returns:
+        Comparisons for ``output``, ``grad input<i>`` and ``grad <parameter name>``.
+
+    Raises:
+        ValueError: the two modules' parameter names differ.
+    """
+    params = dict(module.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    if params.keys() != ref_params.keys():
+        raise ValueError(f"check_module: parameter names differ: {sorted(params)} vs {sorted(ref_params)}")
+    with torch.no_grad():
+        for name, p in ref_params.items():
+            p.copy_(params[name])
+    precise_ref = copy.deepcopy(reference).to(torch.float64)
+    input_names = [f"input{i}" for i in range(len(inputs))]
+
+    def call(m: torch.nn.Module, kw: dict) -> torch.Tensor:
+        state = {name: kw[name] for name in params}
+        return torch.func.functional_call(m, state, tuple(kw[n] for n in input_names))
+
+    def reference_call(**kw):
+        precise = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in kw.values())
+        return call(precise_ref if precise else reference, kw)
+
+    values = {**dict(params), **dict(zip(input_names, inputs))}
+    grad_names = [n for n, v in values.items() if v.is_floating_point()]
+    return check_function(lambda **kw: call(module, kw), reference_call, values, grad_inputs=grad_names, atol=atol, generator=generator)

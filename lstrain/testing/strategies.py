@@ -1,0 +1,109 @@
+"""Hypothesis strategies for shapes, dtypes and op flags, and the shared test profiles.
+
+Shapes lean on the cases kernels get wrong: one row, odd and non-power-of-two widths,
+widths one past a power of two, and (where the profile allows) rows longer than one
+register tile.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "attention_softmax_cases",
+    "dtypes",
+    "layer_norm_cases",
+    "register_profiles",
+    "row_widths",
+    "seeds",
+    "size_limits",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def register_profiles() -> None:
+    """Register the hypothesis profiles ``lstrain-cpu`` and ``lstrain-gpu``.
+
+    ``lstrain-cpu``: few examples, no deadline (the Triton interpreter is slow), for CI.
+    ``lstrain-gpu``: many examples and larger shapes, for a GPU machine.
+    Tests read ``max_cols`` etc. from :func:`size_limits` to match the profile.
+    """
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+    settings.register_profile("lstrain-cpu", max_examples=12, **common)
+    settings.register_profile("lstrain-gpu", max_examples=60, **common)
+
+
+def size_limits(device: str) -> dict[str, int]:
+    """Largest sizes worth drawing on ``device`` ("cpu" runs the interpreter)."""
+    if device == "cpu":
+        return {"rows": 12, "cols": 1200, "long_cols": 20000, "k_len": 300, "long_k": 5000}
+    return {"rows": 4096, "cols": 8192, "long_cols": 65536, "k_len": 4096, "long_k": 16384}
+
+
+def dtypes() -> st.SearchStrategy[torch.dtype]:
+    """fp32, fp16 or bf16."""
+    return st.sampled_from(FLOAT_DTYPES)
+
+
+def seeds() -> st.SearchStrategy[int]:
+    """Seeds for the tensors' random values (shrinks to 0)."""
+    return st.integers(0, 2**31 - 1)
+
+
+def row_widths(max_cols: int) -> st.SearchStrategy[int]:
+    """Row widths: 1, small odd ones, powers of two and their neighbours, anything up to max_cols."""
+    powers = [2**k for k in range(max_cols.bit_length()) if 2**k <= max_cols]
+    near_powers = sorted({n + d for n in powers for d in (-1, 0, 1) if 1 <= n + d <= max_cols})
+    return st.one_of(st.sampled_from(near_powers), st.integers(1, max_cols))
+
+
+@st.composite
+def layer_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A LayerNorm case: shapes, dtype (any, or the one given), affine flags, eps and a seed."""
+    limits = size_limits(device)
+    long_row = draw(st.integers(0, 9)) == 0
+    cols = draw(st.integers(limits["cols"] + 1, limits["long_cols"])) if long_row else draw(row_widths(limits["cols"]))
+    leading = draw(st.lists(st.integers(1, 4), min_size=0, max_size=2))
+    rows = draw(st.integers(1, limits["rows"] if not long_row else 3))
+    normalized = (cols,)
+    if cols % 2 == 0 and cols > 2 and draw(st.booleans()):
+        normalized = (2, cols // 2)
+    return {
+        "shape": (*leading, rows, *normalized),
+        "normalized_shape": normalized,
+        "dtype": dtype or draw(dtypes()),
+        "weight": draw(st.booleans()),
+        "bias": draw(st.booleans()),
+        "eps": draw(st.sampled_from([1e-5, 1e-6, 1e-3])),
+        "mean": draw(st.sampled_from([0.0, 0.0, 3.0])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def attention_softmax_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """An attention-softmax case: [B, H, Q, K], dtype (any, or the one given), scale, masks, causal, seed."""
+    limits = size_limits(device)
+    long_row = draw(st.integers(0, 9)) == 0
+    k_len = draw(st.integers(limits["k_len"] + 1, limits["long_k"])) if long_row else draw(row_widths(limits["k_len"]))
+    q_len = draw(st.integers(1, 3 if long_row else 24))
+    batch = draw(st.integers(1, 3))
+    heads = draw(st.integers(1, 3))
+    mask_shape = None
+    if draw(st.booleans()):
+        mask_shape = tuple(draw(st.sampled_from([n, 1])) for n in (batch, heads, q_len, k_len))
+        mask_shape = mask_shape[draw(st.integers(0, 3)) :]
+    return {
+        "shape": (batch, heads, q_len, k_len),
+        "dtype": dtype or draw(dtypes()),
+        "scale": draw(st.sampled_from([1.0, 0.125, 0.7, -1.5])),
+        "causal": draw(st.booleans()),
+        "padding": draw(st.sampled_from([None, 0.3, 1.0])),
+        "mask_shape": mask_shape,
+        "mask_grad": mask_shape is not None and draw(st.booleans()),
+        "seed": draw(seeds()),
+    }

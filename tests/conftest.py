@@ -1,0 +1,37 @@
+"""One test tree for the CPU (Triton interpreter) and a GPU.
+
+Without CUDA the Triton interpreter is switched on here, before any lstrain kernel is
+defined, so the CPU tests run the real kernels. Tests marked ``gpu`` skip without CUDA.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+from lstrain.testing import register_profiles  # noqa: E402
+
+register_profiles()
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lstrain-gpu" if torch.cuda.is_available() else "lstrain-cpu"))
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EXPECTED_BACKEND = "triton" if torch.cuda.is_available() else "interpreter"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
