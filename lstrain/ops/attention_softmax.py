@@ -305,7 +305,8 @@ def _validate(scores, key_padding_mask, mask, scale) -> None:
                 f"attention_softmax: mask must be an additive float mask (0 or -inf), got {mask.dtype}; "
                 "pass boolean key masks as key_padding_mask"
             )
-        if mask.dim() > 4 or torch.broadcast_shapes(mask.shape, scores.shape) != scores.shape:
+        broadcasts = all(m in (1, n) for m, n in zip(reversed(mask.shape), reversed(scores.shape)))
+        if mask.dim() > 4 or not broadcasts:
             raise ValueError(f"attention_softmax: mask of shape {tuple(mask.shape)} does not broadcast to scores {tuple(scores.shape)}")
         if mask.device != scores.device:
             raise ValueError(f"attention_softmax: mask is on {mask.device} but scores is on {scores.device}")

@@ -95,10 +95,9 @@ def compare_to_reference(
     if a.numel() == 0:
         return Comparison(name, 0.0, 0.0, 0.0, (), 0.0, 0.0)
     finite = torch.isfinite(p)
-    # Infinities must match exactly; they count as zero error where they do.
-    err = torch.where(finite, (a - p).abs(), torch.where(a == p, 0.0, float("inf")))
-    err = torch.nan_to_num(err, nan=0.0)
-    torch_err = torch.nan_to_num(torch.where(finite, (t - p).abs(), 0.0), nan=0.0)
+    # Infinities must match exactly; matching infinities and NaNs count as zero error.
+    err = torch.where(finite, (a - p).abs(), torch.where((a == p) | torch.isnan(p), 0.0, float("inf")))
+    torch_err = torch.nan_to_num(torch.where(finite, (t - p).abs(), 0.0), nan=0.0, posinf=0.0)
     scale = max(1.0, p[finite].abs().max().item()) if finite.any() else 1.0
     flat = int(err.argmax())
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
@@ -201,12 +200,15 @@ def check_module(
         Comparisons for ``output``, ``grad input<i>`` and ``grad <parameter name>``.
 
     Raises:
-        ValueError: the two modules' parameter names differ.
+        ValueError: the two modules' parameter names or shapes differ.
     """
     params = dict(module.named_parameters())
     ref_params = dict(reference.named_parameters())
     if params.keys() != ref_params.keys():
         raise ValueError(f"check_module: parameter names differ: {sorted(params)} vs {sorted(ref_params)}")
+    shapes = {n: (tuple(p.shape), tuple(ref_params[n].shape)) for n, p in params.items()}
+    if any(ours != theirs for ours, theirs in shapes.values()):
+        raise ValueError(f"check_module: parameter shapes differ: {shapes}")
     with torch.no_grad():
         for name, p in ref_params.items():
             p.copy_(params[name])

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks.run --op NAME`` (see benchmarks/run.py)."""

@@ -1,0 +1,185 @@
+"""Benchmark runner: lstrain beside eager PyTorch, torch.compile and Liger-Kernel.
+
+    python -m benchmarks.run --op layer_norm --op attention_softmax --out bench-out
+
+For every case and implementation it measures, on one GPU, in one run:
+  * GPU time of forward+backward: ``torch.autograd.grad(f(*inputs), inputs, dy)``
+    captured once in a CUDA graph, the graph replayed under ``triton.testing.do_bench``
+    (L2 flushed, median) -- kernels only, no Python;
+  * time per ordinary call (``y = f(...); y.backward(dy)``, grads reset to None) under do_bench;
+  * host microseconds per ordinary call (perf_counter over 200 calls, no sync inside);
+  * peak memory above the inputs during one call;
+  * GB/s on the minimal-bytes model and % of the device copy bandwidth measured here.
+torch.compile uses ``dynamic=False`` and is reset for every case; compile time is excluded.
+Writes ``results.json`` and ``results.md`` (rows for BENCHMARKS.md) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from benchmarks.specs import REGISTRY, BenchCase
+
+
+def copy_bandwidth_gbs(gib: int = 4) -> float:
+    """Device-to-device copy of ``gib`` GiB; bytes read plus written over the median time."""
+    src = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    del src, dst
+    return 2 * gib * 2**30 / (ms * 1e-3) / 1e9
+
+
+def _grad_tensors(inputs: dict, names: list[str]) -> list[torch.Tensor]:
+    return [inputs[n] for n in names]
+
+
+def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float:
+    tensors = _grad_tensors(inputs, grad_names)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            torch.autograd.grad(fn(**inputs), tensors, dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.autograd.grad(fn(**inputs), tensors, dy)
+    ms = do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    del graph
+    return ms
+
+
+def call_ms_host_us_peak(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> tuple[float, float, float]:
+    tensors = _grad_tensors(inputs, grad_names)
+
+    def call():
+        for t in tensors:
+            t.grad = None
+        fn(**inputs).backward(dy)
+
+    for _ in range(3):
+        call()
+    ms = do_bench(call, warmup=25, rep=200, grad_to_none=tensors, return_mode="median")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        call()
+    host_us = (time.perf_counter() - start) / 200 * 1e6
+    torch.cuda.synchronize()
+    for t in tensors:
+        t.grad = None
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, host_us, peak_mib
+
+
+def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[dict]:
+    rows = []
+    inputs = case.make_inputs()
+    reference = None
+    for name, fn in case.implementations.items():
+        if only and name not in only:
+            continue
+        if name == "torch.compile":
+            torch._dynamo.reset()
+            fn = torch.compile(fn, dynamic=False)
+        out = fn(**inputs)
+        dy = torch.randn_like(out)
+        if reference is None:
+            reference = out.detach().float()
+        else:
+            diff = (out.detach().float() - reference).abs().max().item()
+            if not diff < 0.05:
+                print(f"warning: {case.op} {name} differs from the first implementation by {diff}")
+        del out
+        gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
+        call, host, peak = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
+        gbs = case.min_bytes / (gpu * 1e-3) / 1e9
+        rows.append(
+            {
+                "op": case.op,
+                "shape": case.label,
+                "impl": name,
+                "gpu_ms": gpu,
+                "call_ms": call,
+                "host_us": host,
+                "peak_mib": peak,
+                "gbs": gbs,
+                "pct_copy_bw": 100 * gbs / bandwidth,
+                "min_bytes": case.min_bytes,
+                "target_ms": case.target_ms,
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{case.op:<18} {case.label:<36} {name:<14} gpu {gpu:8.4f} ms  call {call:8.4f} ms  host {host:7.1f} us  "
+            f"{gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB",
+            flush=True,
+        )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        target = ""
+        if r["impl"] == "lstrain" and r["target_ms"]:
+            met = "met" if r["gpu_ms"] <= r["target_ms"] else "missed"
+            target = f"<= {r['target_ms']} ms: {met}"
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {r['impl']} | {r['gpu_ms']:.4f} | {r['call_ms']:.4f} | {r['host_us']:.0f} | "
+            f"{r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | {target} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", action="append", choices=sorted(REGISTRY), help="op to run (repeatable; default all)")
+    parser.add_argument("--impl", action="append", help="only these implementations (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks need a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    bandwidth = copy_bandwidth_gbs()
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_gbs": bandwidth,
+        "command": "python -m benchmarks.run " + " ".join(f"--op {o}" for o in (args.op or [])),
+    }
+    print(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}: copy bandwidth {bandwidth:.0f} GB/s")
+    rows = []
+    for op in args.op or REGISTRY:
+        for case in REGISTRY[op]():
+            rows.extend(run_case(case, bandwidth, set(args.impl) if args.impl else None))
+            torch.cuda.empty_cache()
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    table = markdown(rows)
+    (args.out / "results.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

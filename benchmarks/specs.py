@@ -1,0 +1,96 @@
+"""The registry of benchmarked ops: inputs, competitors, the minimal-bytes model, targets.
+
+Each case builds its inputs once; every implementation is a function of those inputs
+returning one tensor, differentiated with respect to ``grad_inputs``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lstrain.ops import attention_softmax, layer_norm
+
+
+@dataclass
+class BenchCase:
+    op: str
+    label: str
+    make_inputs: Callable[[], dict]
+    grad_inputs: list[str]
+    implementations: dict[str, Callable[..., torch.Tensor]]
+    min_bytes: int
+    target_ms: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _liger_layer_norm():
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    except ImportError:
+        return None
+    return lambda x, weight, bias: LigerLayerNormFunction.apply(x, weight, bias, 1e-5)
+
+
+def layer_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    targets = {1024: 0.050, 4096: 0.18, 8192: 0.36}
+    cases = []
+    for cols, target in targets.items():
+        rows = 16384
+
+        def make(rows=rows, cols=cols):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            weight = (1 + 0.1 * torch.randn(cols, device="cuda", dtype=dtype, generator=gen)).requires_grad_()
+            bias = (0.1 * torch.randn(cols, device="cuda", dtype=dtype, generator=gen)).requires_grad_()
+            return {"x": x, "weight": weight, "bias": bias}
+
+        impls = {
+            "lstrain": lambda x, weight, bias, cols=cols: layer_norm(x, cols, weight, bias),
+            "eager": lambda x, weight, bias, cols=cols: torch.nn.functional.layer_norm(x, (cols,), weight, bias),
+        }
+        impls["torch.compile"] = impls["eager"]
+        if (liger := _liger_layer_norm()) is not None:
+            impls["liger"] = liger
+        element = torch.finfo(dtype).bits // 8
+        # forward reads x, writes y; backward reads x and dy, writes dx (+ the small params)
+        min_bytes = 5 * rows * cols * element + 6 * cols * element
+        cases.append(BenchCase("layer_norm", f"{rows} x {cols}", make, ["x", "weight", "bias"], impls, min_bytes, target))
+    return cases
+
+
+def attention_softmax_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    batch, heads, q_len, k_len = 8, 16, 1024, 1024
+    scale = 0.125
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        shape = (batch, heads, q_len, k_len)
+        return {"scores": torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_()}
+
+    def eager(scores):
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu(1)
+        return torch.softmax((scores * scale).masked_fill(causal, float("-inf")), dim=-1)
+
+    impls = {
+        "lstrain": lambda scores: attention_softmax(scores, scale=scale, causal=True),
+        "eager": eager,
+        "torch.compile": eager,
+    }
+    element = torch.finfo(dtype).bits // 8
+    elements = batch * heads * q_len * k_len
+    visible = (k_len + 1) / (2 * k_len)  # causal, q_len == k_len: the share of keys read
+    # forward reads the visible scores and writes all of y; backward reads the visible
+    # y and dy and writes all of dx (zeros included)
+    min_bytes = math.ceil((3 * visible + 2) * elements * element)
+    label = f"{batch} x {heads} x {q_len} x {k_len}, scale + causal"
+    return [BenchCase("attention_softmax", label, make, ["scores"], impls, min_bytes, 0.25)]
+
+
+REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
+    "layer_norm": layer_norm_cases,
+    "attention_softmax": attention_softmax_cases,
+}

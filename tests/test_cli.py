@@ -1,0 +1,33 @@
+import pytest
+
+from lstrain import cli
+from lstrain.testing import Comparison
+from lstrain.testing.checks import OP_CHECKS, CheckResult, OpCheck
+
+
+def test_check_prints_a_table_and_passes(capsys):
+    assert cli.main(["check", "layer_norm", "--examples", "3"]) == 0
+    out = capsys.readouterr().out
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert f"layer_norm           {dtype}" in out
+    assert "all checks passed" in out
+
+
+def test_a_failing_check_exits_1(capsys, monkeypatch):
+    def broken(case, device):
+        return CheckResult([Comparison("output", 1.0, 0.1, 0.05, (0,), 2.0, 1.0)], ["interpreter"])
+
+    monkeypatch.setitem(OP_CHECKS, "broken", OpCheck("broken", OP_CHECKS["layer_norm"].cases, broken))
+    assert cli.main(["check", "broken", "--examples", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "FAILED" in out
+
+
+def test_unknown_op_is_an_error(capsys):
+    assert cli.main(["check", "nope"]) == 2
+    assert "unknown op(s) nope" in capsys.readouterr().err
+
+
+def test_no_command_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        cli.main([])
