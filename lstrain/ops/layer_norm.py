@@ -133,7 +133,7 @@ def _layer_norm_bwd_kernel(
     col = tl.arange(0, BLOCK_COLS)
     # Partials layout: [weight grad?, bias grad?] x [programs, cols], fp32.
     weight_partial = partial_ptr + pid.to(tl.int64) * cols
-    bias_partial = partial_ptr + (WEIGHT_GRAD * programs + pid).to(tl.int64) * cols
+    bias_partial = partial_ptr + ((pid + programs) if WEIGHT_GRAD else pid).to(tl.int64) * cols
     if SINGLE_TILE:
         col_ok = col < cols
         if HAS_WEIGHT:
