@@ -16,9 +16,13 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from lstrain.ops.attention_softmax import AttentionSoftmaxPlan, attention_softmax_bwd, attention_softmax_fwd
-from lstrain.ops.layer_norm import LayerNormPlan, layer_norm_bwd, layer_norm_fwd, layer_norm_fwd_plan, layer_norm_bwd_plan
-from lstrain.ops.attention_softmax import attention_softmax_plan
+from lstrain.ops.attention_softmax import (
+    AttentionSoftmaxPlan,
+    attention_softmax_bwd,
+    attention_softmax_fwd,
+    attention_softmax_plan,
+)
+from lstrain.ops.layer_norm import LayerNormPlan, layer_norm_bwd, layer_norm_bwd_plan, layer_norm_fwd, layer_norm_fwd_plan
 
 
 def graph_us(fn) -> float:
@@ -39,7 +43,7 @@ def report(name: str, results: list[tuple[float, object]], default) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="only vary the pipelining depth of the default plans")
     args = parser.parse_args()
     dtype = torch.bfloat16
     for cols in (1024, 4096, 8192):
@@ -50,33 +54,36 @@ def main() -> None:
         dy = torch.randn_like(x)
         _, mean, rstd = layer_norm_fwd(x, (cols,), w, b, 1e-5)
         results = []
-        for block_rows, warps in itertools.product((1, 2, 4, 8), (2, 4, 8, 16)):
-            if block_rows * cols > 16384 or block_rows * cols // (warps * 32) < 4:
+        for block_rows, warps in [] if args.quick else itertools.product((1, 2, 4, 8), (2, 4, 8)):
+            if block_rows * cols > 16384 or block_rows * cols // (warps * 32) < 8:
                 continue
             plan = LayerNormPlan(block_rows, cols, warps, True)
             results.append((graph_us(lambda p=plan: layer_norm_fwd(x, (cols,), w, b, 1e-5, plan=p)), plan))
         report(f"layer_norm fwd {rows}x{cols}", results, layer_norm_fwd_plan(cols))
         results = []
-        for block_rows, warps, per_sm in itertools.product((1, 2, 4, 8), (4, 8, 16), (1, 2, 4, 8)):
-            if block_rows * cols > 8192 or block_rows * cols // (warps * 32) < 4:
+        default = layer_norm_bwd_plan(cols)
+        for block_rows, warps, per_sm, stages in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4), (1, 2, 3, 4)):
+            if block_rows * cols > 8192 or block_rows * cols // (warps * 32) < 4 or warps * per_sm > 32:
                 continue
-            plan = LayerNormPlan(block_rows, cols, warps, True, per_sm)
+            plan = LayerNormPlan(block_rows, cols, warps, True, per_sm, stages)
+            if args.quick and (block_rows, warps, per_sm) != (default.block_rows, default.num_warps, default.programs_per_sm):
+                continue
             run = lambda p=plan: layer_norm_bwd(dy, x, w, mean, rstd, (cols,), True, True, None, plan=p)  # noqa: E731
             results.append((graph_us(run), plan))
-        report(f"layer_norm bwd {rows}x{cols}", results, layer_norm_bwd_plan(cols))
+        report(f"layer_norm bwd {rows}x{cols}", results, default)
         del x, dy
     scores = torch.randn(8, 16, 1024, 1024, device="cuda", dtype=dtype)
     y = attention_softmax_fwd(scores, None, None, 0.125, True)
     dy = torch.randn_like(y)
     fwd, bwd = [], []
-    for block_rows, warps in itertools.product((1, 2, 4), (2, 4, 8, 16)):
+    for block_rows, warps in itertools.product((1,) if args.quick else (1, 2, 4), (1, 2, 4, 8)):
         if block_rows * 1024 // (warps * 32) < 4:
             continue
         plan = AttentionSoftmaxPlan(block_rows, 1024, warps)
         fwd.append((graph_us(lambda p=plan: attention_softmax_fwd(scores, None, None, 0.125, True, plan=p)), plan))
         bwd.append((graph_us(lambda p=plan: attention_softmax_bwd(dy, y, 0.125, True, plan=p)), plan))
     report("attention_softmax fwd 8x16x1024x1024 causal", fwd, attention_softmax_plan(1024))
-    report("attention_softmax bwd 8x16x1024x1024 causal", bwd, attention_softmax_plan(1024))
+    report("attention_softmax bwd 8x16x1024x1024 causal", bwd, attention_softmax_plan(1024, backward=True))
 
 
 if __name__ == "__main__":

@@ -141,20 +141,21 @@ class AttentionSoftmaxPlan:
     num_warps: int
 
 
-def attention_softmax_plan(k_len: int) -> AttentionSoftmaxPlan:
+def attention_softmax_plan(k_len: int, backward: bool = False) -> AttentionSoftmaxPlan:
     """Launch settings for rows of ``k_len`` keys (a pure function of the row length).
 
     Short rows (a few dozen keys) would leave most threads of a one-row program idle,
-    so a program takes many rows; long rows get one row per program and more warps,
-    keeping about 8-16 fp32 values per thread.
+    so a program takes many rows; rows of 1024 keys and more get a program each, with
+    about 16-32 values per thread (2 warps forward and 1 backward at 1024: the fastest
+    on an H200 in benchmarks/sweep.py).
     """
     block_cols = max(16, triton.next_power_of_2(k_len))
     if block_cols <= 32:
-        block_rows = 4096 // block_cols
-        return AttentionSoftmaxPlan(block_rows, block_cols, num_warps=4)
-    block_rows = max(1, 2048 // block_cols)
-    num_warps = max(2, min(16, block_rows * block_cols // 256))
-    return AttentionSoftmaxPlan(block_rows, block_cols, num_warps)
+        return AttentionSoftmaxPlan(4096 // block_cols, block_cols, num_warps=4)
+    if block_cols < 1024:
+        return AttentionSoftmaxPlan(2048 // block_cols, block_cols, num_warps=4)
+    per_warp = 1024 if backward else 512
+    return AttentionSoftmaxPlan(1, block_cols, num_warps=max(1, min(16, block_cols // per_warp)))
 
 
 def attention_softmax_fwd(
@@ -214,7 +215,7 @@ def attention_softmax_bwd(
     rows = batch * heads * q_len
     if rows == 0 or k_len == 0:
         return dx
-    plan = plan or attention_softmax_plan(k_len)
+    plan = plan or attention_softmax_plan(k_len, backward=True)
     _attention_softmax_bwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
         y, dy2d, dx, rows, q_len, k_len, dy2d.stride(0), scale,
         CAUSAL=causal,

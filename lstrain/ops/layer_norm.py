@@ -37,7 +37,6 @@ __all__ = [
 MAX_TILE_COLS_FWD = 16384
 MAX_TILE_COLS_BWD = 8192
 _CHUNK_COLS = 4096
-_TILE_ELEMENTS = 4096
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -53,6 +52,7 @@ def _layer_norm_fwd_kernel(
     cols,
     x_row_stride,
     y_row_stride,
+    inv_cols,
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -66,12 +66,13 @@ def _layer_norm_fwd_kernel(
     x_rows = x_ptr + row[:, None] * x_row_stride
     y_rows = y_ptr + row[:, None] * y_row_stride
     eps = tl.cast(eps, tl.float32)
+    inv_cols = tl.cast(inv_cols, tl.float32)
     if SINGLE_TILE:
         mask = row_ok[:, None] & (col < cols)[None, :]
         x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / cols
+        mean = tl.sum(x, axis=1) * inv_cols
         centred = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) * inv_cols + eps)
         y = centred * rstd[:, None]
         if HAS_WEIGHT:
             y *= tl.load(weight_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
@@ -85,14 +86,14 @@ def _layer_norm_fwd_kernel(
         for start in range(0, cols, BLOCK_COLS):
             mask = row_ok[:, None] & (start + col < cols)[None, :]
             total += tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(total, axis=1) / cols
+        mean = tl.sum(total, axis=1) * inv_cols
         total = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         for start in range(0, cols, BLOCK_COLS):
             mask = row_ok[:, None] & (start + col < cols)[None, :]
             x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
             centred = tl.where(mask, x - mean[:, None], 0.0)
             total += centred * centred
-        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) / cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(total, axis=1) * inv_cols + eps)
         for start in range(0, cols, BLOCK_COLS):
             col_ok = start + col < cols
             mask = row_ok[:, None] & col_ok[None, :]
@@ -121,14 +122,17 @@ def _layer_norm_bwd_kernel(
     x_row_stride,
     dy_row_stride,
     dx_row_stride,
+    inv_cols,
     HAS_WEIGHT: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    inv_cols = tl.cast(inv_cols, tl.float32)
     programs = tl.num_programs(0)
     col = tl.arange(0, BLOCK_COLS)
     # Partials layout: [weight grad?, bias grad?] x [programs, cols], fp32.
@@ -140,7 +144,8 @@ def _layer_norm_bwd_kernel(
             weight = tl.load(weight_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         weight_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         bias_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-        for first in range(pid * BLOCK_ROWS, rows, programs * BLOCK_ROWS):
+        # Pipelining the loop keeps the next rows' loads in flight during this row's math.
+        for first in tl.range(pid * BLOCK_ROWS, rows, programs * BLOCK_ROWS, num_stages=NUM_STAGES):
             row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
             row_ok = row < rows
             mask = row_ok[:, None] & col_ok[None, :]
@@ -152,8 +157,8 @@ def _layer_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + row, mask=row_ok, other=0.0)
             x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             w_dy = dy * weight if HAS_WEIGHT else dy
-            c1 = tl.sum(x_hat * w_dy, axis=1) / cols
-            c2 = tl.sum(w_dy, axis=1) / cols
+            c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
+            c2 = tl.sum(w_dy, axis=1) * inv_cols
             dx = (w_dy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
             tl.store(dx_ptr + row[:, None] * dx_row_stride + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WEIGHT_GRAD:
@@ -184,8 +189,8 @@ def _layer_norm_bwd_kernel(
                     dy *= tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)
                 c1_acc += x_hat * dy
                 c2_acc += dy
-            c1 = tl.sum(c1_acc, axis=0) / cols
-            c2 = tl.sum(c2_acc, axis=0) / cols
+            c1 = tl.sum(c1_acc, axis=0) * inv_cols
+            c2 = tl.sum(c2_acc, axis=0) * inv_cols
             for start in range(0, cols, BLOCK_COLS):
                 col_ok = start + col < cols
                 x = tl.load(x_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
@@ -237,7 +242,8 @@ class LayerNormPlan:
 
     ``single_tile`` keeps a whole row in registers (``block_cols`` >= cols); otherwise
     rows are streamed in chunks of ``block_cols`` and ``block_rows`` is 1.
-    ``programs_per_sm`` sizes the persistent backward grid (unused by forward).
+    ``programs_per_sm`` sizes the persistent backward grid and ``num_stages`` pipelines
+    its row loop (both unused by forward).
     """
 
     block_rows: int
@@ -245,31 +251,37 @@ class LayerNormPlan:
     num_warps: int
     single_tile: bool
     programs_per_sm: int = 1
-
-
-def _warps_for(tile_elements: int) -> int:
-    # About 16 fp32 values per thread: 16-byte loads, few registers, no spills.
-    return max(1, min(16, tile_elements // 512))
+    num_stages: int = 1
 
 
 def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
-    """Forward launch settings for rows of ``cols`` elements (a pure function)."""
+    """Forward launch settings for rows of ``cols`` elements (a pure function).
+
+    Measured on an H200 (benchmarks/sweep.py): 4 warps holding 16-64 values per thread
+    beat wider programs; short rows go several to a program.
+    """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_FWD:
-        return LayerNormPlan(1, _CHUNK_COLS, _warps_for(_CHUNK_COLS), single_tile=False)
-    # Short rows: several per program so that each program moves a useful tile.
-    block_rows = max(1, min(128, _TILE_ELEMENTS // block_cols))
-    return LayerNormPlan(block_rows, block_cols, _warps_for(block_rows * block_cols), single_tile=True)
+        return LayerNormPlan(1, _CHUNK_COLS, 4, single_tile=False)
+    if block_cols <= 1024:
+        return LayerNormPlan(min(128, 2048 // block_cols), block_cols, 4, single_tile=True)
+    block_rows = max(1, 8192 // block_cols)
+    return LayerNormPlan(block_rows, block_cols, max(4, block_rows * block_cols // 2048), single_tile=True)
 
 
 def layer_norm_bwd_plan(cols: int) -> LayerNormPlan:
-    """Backward launch settings for rows of ``cols`` elements (a pure function)."""
+    """Backward launch settings for rows of ``cols`` elements (a pure function).
+
+    A persistent grid whose row loop is software-pipelined 3 deep (on an H200,
+    benchmarks/sweep.py: 20-35% faster than no pipelining); few programs per SM keep the
+    per-program fp32 partials of dweight/dbias small.
+    """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_BWD:
-        return LayerNormPlan(1, _CHUNK_COLS, _warps_for(_CHUNK_COLS), single_tile=False, programs_per_sm=2)
-    block_rows = max(1, min(64, _TILE_ELEMENTS // block_cols))
-    warps = _warps_for(block_rows * block_cols)
-    return LayerNormPlan(block_rows, block_cols, warps, single_tile=True, programs_per_sm=max(1, 32 // warps))
+        return LayerNormPlan(1, _CHUNK_COLS, 8, single_tile=False, programs_per_sm=2)
+    warps = 4 if block_cols <= 2048 else 8
+    programs_per_sm = 2 if block_cols <= 4096 else 1
+    return LayerNormPlan(max(1, 4096 // block_cols), block_cols, warps, True, programs_per_sm, num_stages=3)
 
 
 def _as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -302,7 +314,7 @@ def layer_norm_fwd(
     plan = plan or layer_norm_fwd_plan(cols)
     _layer_norm_fwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
         x2d, y, weight, bias, mean, rstd,
-        rows, cols, x2d.stride(0), cols, eps,
+        rows, cols, x2d.stride(0), cols, 1.0 / cols, eps,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
         BLOCK_ROWS=plan.block_rows,
@@ -345,14 +357,18 @@ def layer_norm_bwd(
     partials = alloc((outputs, programs, cols), dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(programs,)](
         x2d, dy2d, dx, weight, mean, rstd, partials,
-        rows, cols, x2d.stride(0), dy2d.stride(0), cols,
+        rows, cols, x2d.stride(0), dy2d.stride(0), cols, 1.0 / cols,
         HAS_WEIGHT=weight is not None,
         WEIGHT_GRAD=weight_grad,
         BIAS_GRAD=bias_grad,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
         SINGLE_TILE=plan.single_tile,
+        NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
+        # Without contraction, dy * w - c2 is exactly 0 where x equals its row mean
+        # (e.g. a single column); an FMA would leave the product's rounding error there.
+        enable_fp_fusion=False,
     )  # fmt: skip
     grads = [dx]
     if outputs == 0:

@@ -104,12 +104,14 @@ def test_launch_plan_by_row_length():
     short = attention_softmax_plan(20)
     assert short.block_cols == 32 and short.block_rows >= 32  # many short rows per program
     long = attention_softmax_plan(1024)
-    assert long.block_cols == 1024 and long.block_rows <= 2
+    assert long.block_cols == 1024 and long.block_rows == 1
     widest = attention_softmax_plan(MAX_K_LEN)
     assert widest.block_rows == 1 and widest.num_warps == 16
+    assert attention_softmax_plan(1024, backward=True).num_warps < long.num_warps
     for k_len in (1, 2, 31, 32, 33, 100, 4096, 16384):
-        plan = attention_softmax_plan(k_len)
-        assert plan.block_cols >= k_len and 1 <= plan.num_warps <= 16
+        for backward in (False, True):
+            plan = attention_softmax_plan(k_len, backward)
+            assert plan.block_cols >= k_len and 1 <= plan.num_warps <= 16
 
 
 def test_module(device):
