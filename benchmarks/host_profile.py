@@ -40,7 +40,7 @@ def main() -> None:
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    y, mean, rstd = layer_norm_fwd(x.detach(), (1024,), w.detach(), b.detach(), 1e-5)
+    y, stats = layer_norm_fwd(x.detach(), (1024,), w.detach(), b.detach(), 1e-5)
 
     def ln_call():
         x.grad = w.grad = b.grad = None
@@ -62,7 +62,7 @@ def main() -> None:
         "noop triton launch": lambda: _noop_kernel[(1,)](x),
         "torch.empty_like": lambda: torch.empty_like(x),
         "layer_norm_fwd launcher": lambda: layer_norm_fwd(x.detach(), (1024,), w.detach(), b.detach(), 1e-5),
-        "layer_norm_bwd launcher": lambda: layer_norm_bwd(dy, x.detach(), w.detach(), mean, rstd, (1024,), True, True, None),
+        "layer_norm_bwd launcher": lambda: layer_norm_bwd(dy, x.detach(), w.detach(), stats, (1024,), True, True, None),
         "layer_norm fwd+bwd": ln_call,
         "eager layer_norm fwd+bwd": eager_call,
         "attention_softmax_fwd launcher": lambda: attention_softmax_fwd(s.detach(), None, None, 0.125, True),

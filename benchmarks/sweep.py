@@ -52,7 +52,7 @@ def main() -> None:
         w = torch.randn(cols, device="cuda", dtype=dtype)
         b = torch.randn(cols, device="cuda", dtype=dtype)
         dy = torch.randn_like(x)
-        _, mean, rstd = layer_norm_fwd(x, (cols,), w, b, 1e-5)
+        _, stats = layer_norm_fwd(x, (cols,), w, b, 1e-5)
         results = []
         for block_rows, warps in [] if args.quick else itertools.product((1, 2, 4, 8), (2, 4, 8)):
             if block_rows * cols > 16384 or block_rows * cols // (warps * 32) < 8:
@@ -68,7 +68,7 @@ def main() -> None:
             plan = LayerNormPlan(block_rows, cols, warps, True, per_sm, stages)
             if args.quick and (block_rows, warps, per_sm) != (default.block_rows, default.num_warps, default.programs_per_sm):
                 continue
-            run = lambda p=plan: layer_norm_bwd(dy, x, w, mean, rstd, (cols,), True, True, None, plan=p)  # noqa: E731
+            run = lambda p=plan: layer_norm_bwd(dy, x, w, stats, (cols,), True, True, None, plan=p)  # noqa: E731
             results.append((graph_us(run), plan))
         report(f"layer_norm bwd {rows}x{cols}", results, default)
         del x, dy
@@ -76,10 +76,10 @@ def main() -> None:
     y = attention_softmax_fwd(scores, None, None, 0.125, True)
     dy = torch.randn_like(y)
     fwd, bwd = [], []
-    for block_rows, warps in itertools.product((1,) if args.quick else (1, 2, 4), (1, 2, 4, 8)):
+    for block_rows, warps, streaming in itertools.product((1,) if args.quick else (1, 2, 4), (1, 2, 4), (False, True)):
         if block_rows * 1024 // (warps * 32) < 4:
             continue
-        plan = AttentionSoftmaxPlan(block_rows, 1024, warps)
+        plan = AttentionSoftmaxPlan(block_rows, 1024, warps, streaming)
         fwd.append((graph_us(lambda p=plan: attention_softmax_fwd(scores, None, None, 0.125, True, plan=p)), plan))
         bwd.append((graph_us(lambda p=plan: attention_softmax_bwd(dy, y, 0.125, True, plan=p)), plan))
     report("attention_softmax fwd 8x16x1024x1024 causal", fwd, attention_softmax_plan(1024))

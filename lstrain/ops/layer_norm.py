@@ -2,7 +2,7 @@
 
 Forward: one program normalises a tile of rows held in registers (rows longer than
 ``MAX_TILE_COLS_FWD`` are streamed in chunks, three passes over the row, the re-reads
-served by L2). Mean and rstd are kept in fp32 for backward.
+served by L2). Mean and rstd are kept in fp32 for backward, as one [2, rows] tensor.
 
 Backward: a persistent grid; each program walks a fixed set of rows, writes dx, and
 accumulates dweight/dbias in fp32 registers (or in its own fp32 row of a partials buffer
@@ -12,6 +12,7 @@ so the parameter gradients are deterministic without atomics.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,8 +47,7 @@ def _layer_norm_fwd_kernel(
     y_ptr,
     weight_ptr,
     bias_ptr,
-    mean_ptr,
-    rstd_ptr,
+    stats_ptr,
     rows,
     cols,
     x_row_stride,
@@ -104,8 +104,8 @@ def _layer_norm_fwd_kernel(
             if HAS_BIAS:
                 y += tl.load(bias_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_rows + start + col[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean, mask=row_ok)
-    tl.store(rstd_ptr + row, rstd, mask=row_ok)
+    tl.store(stats_ptr + row, mean, mask=row_ok)
+    tl.store(stats_ptr + rows + row, rstd, mask=row_ok)
 
 
 @triton.jit
@@ -114,8 +114,7 @@ def _layer_norm_bwd_kernel(
     dy_ptr,
     dx_ptr,
     weight_ptr,
-    mean_ptr,
-    rstd_ptr,
+    stats_ptr,
     partial_ptr,
     rows,
     cols,
@@ -153,8 +152,8 @@ def _layer_norm_bwd_kernel(
             dy = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
-            mean = tl.load(mean_ptr + row, mask=row_ok, other=0.0)
-            rstd = tl.load(rstd_ptr + row, mask=row_ok, other=0.0)
+            mean = tl.load(stats_ptr + row, mask=row_ok, other=0.0)
+            rstd = tl.load(stats_ptr + rows + row, mask=row_ok, other=0.0)
             x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             w_dy = dy * weight if HAS_WEIGHT else dy
             c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
@@ -176,8 +175,8 @@ def _layer_norm_bwd_kernel(
             row = tl.cast(row_index, tl.int64)
             x_row = x_ptr + row * x_row_stride
             dy_row = dy_ptr + row * dy_row_stride
-            mean = tl.load(mean_ptr + row)
-            rstd = tl.load(rstd_ptr + row)
+            mean = tl.load(stats_ptr + row)
+            rstd = tl.load(stats_ptr + rows + row)
             c1_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
             c2_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
             for start in range(0, cols, BLOCK_COLS):
@@ -219,13 +218,17 @@ def _column_sum_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    """Sum [outputs, programs, cols] fp32 partials over programs; output 1 or 2 on axis 1."""
+    """Sum [outputs, programs, cols] fp32 partials over programs; output 1 or 2 on axis 1.
+
+    Narrow column slices give enough programs to fill the GPU; the loop is pipelined so
+    that its few iterations do not wait on each other's loads.
+    """
     which = tl.program_id(1)
     col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = col < cols
     base = partial_ptr + which.to(tl.int64) * programs * cols
     acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-    for first in range(0, programs, BLOCK_ROWS):
+    for first in tl.range(0, programs, BLOCK_ROWS, num_stages=2):
         row = first + tl.arange(0, BLOCK_ROWS)
         mask = (row < programs)[:, None] & col_ok[None, :]
         acc += tl.load(base + row[:, None] * cols + col[None, :], mask=mask, other=0.0)
@@ -254,6 +257,7 @@ class LayerNormPlan:
     num_stages: int = 1
 
 
+@functools.lru_cache(maxsize=None)
 def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
     """Forward launch settings for rows of ``cols`` elements (a pure function).
 
@@ -269,6 +273,7 @@ def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
     return LayerNormPlan(block_rows, block_cols, max(4, block_rows * block_cols // 2048), single_tile=True)
 
 
+@functools.lru_cache(maxsize=None)
 def layer_norm_bwd_plan(cols: int) -> LayerNormPlan:
     """Backward launch settings for rows of ``cols`` elements (a pure function).
 
@@ -301,19 +306,18 @@ def layer_norm_fwd(
     """Launch the forward kernel on validated inputs.
 
     Returns:
-        ``(y, mean, rstd)``: y shaped and typed like ``x``; mean and rstd fp32 [rows].
+        ``(y, stats)``: y shaped and typed like ``x``; stats fp32 [2, rows], mean then rstd.
     """
     cols = math.prod(normalized_shape)
     x2d = _as_rows(x, cols)
     rows = x2d.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
     if rows == 0:
-        return y, mean, rstd
+        return y, stats
     plan = plan or layer_norm_fwd_plan(cols)
     _layer_norm_fwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
-        x2d, y, weight, bias, mean, rstd,
+        x2d, y, weight, bias, stats,
         rows, cols, x2d.stride(0), cols, 1.0 / cols, eps,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
@@ -322,15 +326,14 @@ def layer_norm_fwd(
         SINGLE_TILE=plan.single_tile,
         num_warps=plan.num_warps,
     )  # fmt: skip
-    return y, mean, rstd
+    return y, stats
 
 
 def layer_norm_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     normalized_shape: Sequence[int],
     weight_grad: bool,
     bias_grad: bool,
@@ -356,7 +359,7 @@ def layer_norm_bwd(
     alloc = torch.empty if plan.single_tile else torch.zeros
     partials = alloc((outputs, programs, cols), dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(programs,)](
-        x2d, dy2d, dx, weight, mean, rstd, partials,
+        x2d, dy2d, dx, weight, stats, partials,
         rows, cols, x2d.stride(0), dy2d.stride(0), cols, 1.0 / cols,
         HAS_WEIGHT=weight is not None,
         WEIGHT_GRAD=weight_grad,
@@ -377,10 +380,9 @@ def layer_norm_bwd(
         grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
     if bias_grad:
         grads.append(torch.empty(normalized_shape, dtype=bias_dtype or x.dtype, device=x.device))
-    block_cols = min(256, triton.next_power_of_2(cols))
-    _column_sum_kernel[(triton.cdiv(cols, block_cols), outputs)](
+    _column_sum_kernel[(triton.cdiv(cols, 16), outputs)](
         partials, grads[1], grads[-1], programs, cols,
-        BLOCK_ROWS=32, BLOCK_COLS=block_cols, num_warps=4,
+        BLOCK_ROWS=256, BLOCK_COLS=16, num_warps=4,
     )  # fmt: skip
     return grads
 
@@ -392,15 +394,14 @@ def _layer_norm_fwd_op(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return layer_norm_fwd(x, normalized_shape, weight, bias, eps)
 
 
 @_layer_norm_fwd_op.register_fake
 def _(x, normalized_shape, weight, bias, eps):
     rows = x.numel() // math.prod(normalized_shape)
-    stats = x.new_empty(rows, dtype=torch.float32)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((2, rows), dtype=torch.float32)
 
 
 @torch.library.custom_op("lstrain::layer_norm_bwd", mutates_args=())
@@ -408,18 +409,17 @@ def _layer_norm_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     normalized_shape: list[int],
     weight_grad: bool,
     bias_grad: bool,
     bias_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:
-    return layer_norm_bwd(dy, x, weight, mean, rstd, normalized_shape, weight_grad, bias_grad, bias_dtype)
+    return layer_norm_bwd(dy, x, weight, stats, normalized_shape, weight_grad, bias_grad, bias_dtype)
 
 
 @_layer_norm_bwd_op.register_fake
-def _(dy, x, weight, mean, rstd, normalized_shape, weight_grad, bias_grad, bias_dtype):
+def _(dy, x, weight, stats, normalized_shape, weight_grad, bias_grad, bias_dtype):
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format)]
     if weight_grad:
         grads.append(x.new_empty(normalized_shape, dtype=weight.dtype))
@@ -436,18 +436,18 @@ class LayerNormFunction(torch.autograd.Function):
         # Eager calls skip the custom-op dispatcher (~10 us of host time per call);
         # under torch.compile the custom op keeps the kernel opaque to the tracer.
         fwd = _layer_norm_fwd_op if torch.compiler.is_compiling() else layer_norm_fwd
-        y, mean, rstd = fwd(x, normalized_shape, weight, bias, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
+        y, stats = fwd(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, stats)
         ctx.normalized_shape = normalized_shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, stats = ctx.saved_tensors
         weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         bwd = _layer_norm_bwd_op if torch.compiler.is_compiling() else layer_norm_bwd
-        grads = bwd(dy, x, weight, mean, rstd, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype)
+        grads = bwd(dy, x, weight, stats, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype)
         dweight = grads[1] if weight_grad else None
         dbias = grads[-1] if bias_grad else None
         return grads[0], None, dweight, dbias, None

@@ -183,8 +183,8 @@ def test_custom_ops_pass_opcheck(device):
     w = torch.randn(32, device=device)
     b = torch.randn(32, device=device)
     torch.library.opcheck(torch.ops.lstrain.layer_norm_fwd, (x, [32], w, b, 1e-5))
-    _, mean, rstd = torch.ops.lstrain.layer_norm_fwd(x, [32], w, b, 1e-5)
-    torch.library.opcheck(torch.ops.lstrain.layer_norm_bwd, (torch.randn_like(x), x, w, mean, rstd, [32], True, True, None))
+    _, stats = torch.ops.lstrain.layer_norm_fwd(x, [32], w, b, 1e-5)
+    torch.library.opcheck(torch.ops.lstrain.layer_norm_bwd, (torch.randn_like(x), x, w, stats, [32], True, True, None))
 
 
 @pytest.mark.gpu
