@@ -69,7 +69,6 @@ def _attention_softmax_fwd_kernel(
     CAUSAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    STREAMING: tl.constexpr,
 ):
     row, row_ok, b, h, q = _row_coordinates(rows, heads, q_len, BLOCK_ROWS)
     col = tl.arange(0, BLOCK_COLS)
@@ -82,8 +81,7 @@ def _attention_softmax_fwd_kernel(
         keep &= padded == 0
     x_offset = b[:, None] * x_stride_b + h[:, None] * x_stride_h + q[:, None] * x_stride_q + col[None, :]
     # Scaling by log2(e) once lets the exponential be a bare exp2.
-    x = tl.load(x_ptr + x_offset, mask=keep, other=0.0, eviction_policy="evict_first" if STREAMING else "")
-    z = x.to(tl.float32) * (tl.cast(scale, tl.float32) * 1.4426950408889634)
+    z = tl.load(x_ptr + x_offset, mask=keep, other=0.0).to(tl.float32) * (tl.cast(scale, tl.float32) * 1.4426950408889634)
     if HAS_MASK:
         mask_offset = (
             b[:, None] * mask_stride_b
@@ -101,8 +99,7 @@ def _attention_softmax_fwd_kernel(
     # every e is 0: dividing by 1 instead gives the zero row. A NaN total (NaN input)
     # stays NaN and spreads over the row, as in torch.
     y = e * (1.0 / tl.where(total == 0.0, 1.0, total))[:, None]
-    y_ptrs = y_ptr + row[:, None] * k_len + col[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=in_bounds, cache_modifier=".cs" if STREAMING else "")
+    tl.store(y_ptr + row[:, None] * k_len + col[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit
@@ -118,7 +115,6 @@ def _attention_softmax_bwd_kernel(
     CAUSAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    STREAMING: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.arange(0, BLOCK_COLS)
@@ -127,32 +123,23 @@ def _attention_softmax_bwd_kernel(
     if CAUSAL:
         keep &= col[None, :] <= (row % q_len)[:, None]
     # Padded keys need no test here: their y is exactly 0, so their gradient is too.
-    y_ptrs = y_ptr + row[:, None] * k_len + col[None, :]
-    dy_ptrs = dy_ptr + row[:, None] * dy_stride_row + col[None, :]
-    y = tl.load(y_ptrs, mask=keep, other=0.0, eviction_policy="evict_first" if STREAMING else "")
-    dy = tl.load(dy_ptrs, mask=keep, other=0.0, eviction_policy="evict_first" if STREAMING else "")
-    y = y.to(tl.float32)
-    dy = dy.to(tl.float32)
+    y = tl.load(y_ptr + row[:, None] * k_len + col[None, :], mask=keep, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row[:, None] * dy_stride_row + col[None, :], mask=keep, other=0.0).to(tl.float32)
     # Normalising by sum(y) (1 up to the rounding of the stored y) keeps the gradient
     # exactly orthogonal to a constant shift of the row, as the softmax Jacobian's is.
     y_total = tl.sum(y, axis=1)
     dot = tl.sum(y * dy, axis=1) / tl.where(y_total == 0.0, 1.0, y_total)
     dx = tl.cast(scale, tl.float32) * y * (dy - dot[:, None])
-    dx_ptrs = dx_ptr + row[:, None] * k_len + col[None, :]
-    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=in_bounds, cache_modifier=".cs" if STREAMING else "")
+    tl.store(dx_ptr + row[:, None] * k_len + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @dataclass(frozen=True)
 class AttentionSoftmaxPlan:
-    """Launch settings: each program owns ``block_rows`` rows of ``block_cols`` lanes.
-
-    ``streaming`` marks loads evict-first and stores streaming (no reuse expected).
-    """
+    """Launch settings: each program owns ``block_rows`` rows of ``block_cols`` lanes."""
 
     block_rows: int
     block_cols: int
     num_warps: int
-    streaming: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,7 +194,6 @@ def attention_softmax_fwd(
         CAUSAL=causal,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
-        STREAMING=plan.streaming,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return y
@@ -237,7 +223,6 @@ def attention_softmax_bwd(
         CAUSAL=causal,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
-        STREAMING=plan.streaming,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return dx
