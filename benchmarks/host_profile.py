@@ -1,6 +1,6 @@
 """Where the host time of one lstrain fwd+bwd call goes (cProfile + per-launcher timings).
 
-    python -m benchmarks.host_profile
+python -m benchmarks.host_profile
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 from lstrain.ops import attention_softmax, layer_norm
 from lstrain.ops.attention_softmax import attention_softmax_bwd, attention_softmax_fwd

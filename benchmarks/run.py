@@ -36,7 +36,6 @@ def copy_bandwidth_gbs(gib: int = 4) -> float:
     src.random_(0, 255)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
     return 2 * gib * 2**30 / (ms * 1e-3) / 1e9
 
 

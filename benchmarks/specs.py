@@ -58,7 +58,9 @@ def layer_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
         element = torch.finfo(dtype).bits // 8
         # forward reads x, writes y; backward reads x and dy, writes dx (+ the small params)
         min_bytes = 5 * rows * cols * element + 6 * cols * element
-        cases.append(BenchCase("layer_norm", f"{rows} x {cols}", make, ["x", "weight", "bias"], impls, min_bytes, target))
+        cases.append(
+            BenchCase("layer_norm", f"{rows} x {cols}", make, ["x", "weight", "bias"], impls, min_bytes, target)
+        )
     return cases
 
 

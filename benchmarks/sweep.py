@@ -11,6 +11,7 @@ shapes of the targets. Prints the best plans first for each kernel and shape.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -22,7 +23,13 @@ from lstrain.ops.attention_softmax import (
     attention_softmax_fwd,
     attention_softmax_plan,
 )
-from lstrain.ops.layer_norm import LayerNormPlan, layer_norm_bwd, layer_norm_bwd_plan, layer_norm_fwd, layer_norm_fwd_plan
+from lstrain.ops.layer_norm import (
+    LayerNormPlan,
+    layer_norm_bwd,
+    layer_norm_bwd_plan,
+    layer_norm_fwd,
+    layer_norm_fwd_plan,
+)
 
 
 def graph_us(fn) -> float:
@@ -58,7 +65,7 @@ def main() -> None:
             if block_rows * cols > 16384 or block_rows * cols // (warps * 32) < 8:
                 continue
             plan = LayerNormPlan(block_rows, cols, warps, True)
-            results.append((graph_us(lambda p=plan: layer_norm_fwd(x, (cols,), w, b, 1e-5, plan=p)), plan))
+            results.append((graph_us(functools.partial(layer_norm_fwd, x, (cols,), w, b, 1e-5, plan=plan)), plan))
         report(f"layer_norm fwd {rows}x{cols}", results, layer_norm_fwd_plan(cols))
         results = []
         default = layer_norm_bwd_plan(cols)
@@ -66,9 +73,14 @@ def main() -> None:
             if block_rows * cols > 8192 or block_rows * cols // (warps * 32) < 4 or warps * per_sm > 32:
                 continue
             plan = LayerNormPlan(block_rows, cols, warps, True, per_sm, stages)
-            if args.quick and (block_rows, warps, per_sm) != (default.block_rows, default.num_warps, default.programs_per_sm):
+            near_default = (block_rows, warps, per_sm) == (
+                default.block_rows,
+                default.num_warps,
+                default.programs_per_sm,
+            )
+            if args.quick and not near_default:
                 continue
-            run = lambda p=plan: layer_norm_bwd(dy, x, w, stats, (cols,), True, True, None, plan=p)  # noqa: E731
+            run = functools.partial(layer_norm_bwd, dy, x, w, stats, (cols,), True, True, None, plan=plan)
             results.append((graph_us(run), plan))
         report(f"layer_norm bwd {rows}x{cols}", results, default)
         del x, dy
@@ -80,8 +92,10 @@ def main() -> None:
         if block_rows * 1024 // (warps * 32) < 4:
             continue
         plan = AttentionSoftmaxPlan(block_rows, 1024, warps)
-        fwd.append((graph_us(lambda p=plan: attention_softmax_fwd(scores, None, None, 0.125, True, plan=p)), plan))
-        bwd.append((graph_us(lambda p=plan: attention_softmax_bwd(dy, y, 0.125, True, plan=p)), plan))
+        fwd.append(
+            (graph_us(functools.partial(attention_softmax_fwd, scores, None, None, 0.125, True, plan=plan)), plan)
+        )
+        bwd.append((graph_us(functools.partial(attention_softmax_bwd, dy, y, 0.125, True, plan=plan)), plan))
     report("attention_softmax fwd 8x16x1024x1024 causal", fwd, attention_softmax_plan(1024))
     report("attention_softmax bwd 8x16x1024x1024 causal", bwd, attention_softmax_plan(1024, backward=True))
 

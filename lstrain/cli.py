@@ -82,7 +82,10 @@ def _check(args: argparse.Namespace) -> int:
         print(f"lstrain check: unknown op(s) {', '.join(unknown)}; known: {', '.join(OP_CHECKS)}", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
-    print(f"lstrain check on {where}: {args.examples} hypothesis examples per op and dtype, tolerance rule of lstrain.testing")
+    print(
+        f"lstrain check on {where}: {args.examples} hypothesis examples per op and dtype, "
+        "tolerance rule of lstrain.testing"
+    )
     header = f"{'op':<20} {'dtype':<9} {'backend':<12} {'shapes tried':<34} {'max error':>10} {'allowed':>10}  result"
     print(header)
     print("-" * len(header))

@@ -17,7 +17,9 @@ from hypothesis import settings  # noqa: E402
 from lstrain.testing import register_profiles  # noqa: E402
 
 register_profiles()
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lstrain-gpu" if torch.cuda.is_available() else "lstrain-cpu"))
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE", "lstrain-gpu" if torch.cuda.is_available() else "lstrain-cpu")
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXPECTED_BACKEND = "triton" if torch.cuda.is_available() else "interpreter"

@@ -81,7 +81,9 @@ def _attention_softmax_fwd_kernel(
         keep &= padded == 0
     x_offset = b[:, None] * x_stride_b + h[:, None] * x_stride_h + q[:, None] * x_stride_q + col[None, :]
     # Scaling by log2(e) once lets the exponential be a bare exp2.
-    z = tl.load(x_ptr + x_offset, mask=keep, other=0.0).to(tl.float32) * (tl.cast(scale, tl.float32) * 1.4426950408889634)
+    z = tl.load(x_ptr + x_offset, mask=keep, other=0.0).to(tl.float32) * (
+        tl.cast(scale, tl.float32) * 1.4426950408889634
+    )
     if HAS_MASK:
         mask_offset = (
             b[:, None] * mask_stride_b
@@ -142,7 +144,7 @@ class AttentionSoftmaxPlan:
     num_warps: int
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_softmax_plan(k_len: int, backward: bool = False) -> AttentionSoftmaxPlan:
     """Launch settings for rows of ``k_len`` keys (a pure function of the row length).
 
@@ -287,7 +289,9 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
 
 def _validate(scores, key_padding_mask, mask, scale) -> None:
     if scores.dim() != 4:
-        raise ValueError(f"attention_softmax: scores must be 4-D [batch, heads, q_len, k_len], got shape {tuple(scores.shape)}")
+        raise ValueError(
+            f"attention_softmax: scores must be 4-D [batch, heads, q_len, k_len], got shape {tuple(scores.shape)}"
+        )
     if scores.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"attention_softmax: scores has dtype {scores.dtype}; expected float32, float16 or bfloat16")
     batch, _, _, k_len = scores.shape
@@ -295,22 +299,30 @@ def _validate(scores, key_padding_mask, mask, scale) -> None:
         raise ValueError(f"attention_softmax: k_len {k_len} exceeds the supported maximum {MAX_K_LEN}")
     if key_padding_mask is not None:
         if key_padding_mask.dtype != torch.bool:
-            raise ValueError(f"attention_softmax: key_padding_mask must be bool (True = masked), got {key_padding_mask.dtype}")
+            raise ValueError(
+                f"attention_softmax: key_padding_mask must be bool (True = masked), got {key_padding_mask.dtype}"
+            )
         if tuple(key_padding_mask.shape) != (batch, k_len):
             raise ValueError(
-                f"attention_softmax: key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected [batch, k_len] = {(batch, k_len)}"
+                f"attention_softmax: key_padding_mask has shape {tuple(key_padding_mask.shape)}, "
+                f"expected [batch, k_len] = {(batch, k_len)}"
             )
         if key_padding_mask.device != scores.device:
-            raise ValueError(f"attention_softmax: key_padding_mask is on {key_padding_mask.device} but scores is on {scores.device}")
+            raise ValueError(
+                f"attention_softmax: key_padding_mask is on {key_padding_mask.device} but scores is on {scores.device}"
+            )
     if mask is not None:
         if not mask.is_floating_point():
             raise ValueError(
                 f"attention_softmax: mask must be an additive float mask (0 or -inf), got {mask.dtype}; "
                 "pass boolean key masks as key_padding_mask"
             )
-        broadcasts = all(m in (1, n) for m, n in zip(reversed(mask.shape), reversed(scores.shape)))
+        broadcasts = all(m in (1, n) for m, n in zip(reversed(mask.shape), reversed(scores.shape), strict=False))
         if mask.dim() > 4 or not broadcasts:
-            raise ValueError(f"attention_softmax: mask of shape {tuple(mask.shape)} does not broadcast to scores {tuple(scores.shape)}")
+            raise ValueError(
+                f"attention_softmax: mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"scores {tuple(scores.shape)}"
+            )
         if mask.device != scores.device:
             raise ValueError(f"attention_softmax: mask is on {mask.device} but scores is on {scores.device}")
     if not isinstance(scale, (int, float)) or scale != scale or abs(scale) == float("inf"):

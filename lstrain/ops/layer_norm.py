@@ -257,7 +257,7 @@ class LayerNormPlan:
     num_stages: int = 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
     """Forward launch settings for rows of ``cols`` elements (a pure function).
 
@@ -273,7 +273,7 @@ def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
     return LayerNormPlan(block_rows, block_cols, max(4, block_rows * block_cols // 2048), single_tile=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layer_norm_bwd_plan(cols: int) -> LayerNormPlan:
     """Backward launch settings for rows of ``cols`` elements (a pure function).
 

@@ -74,7 +74,9 @@ def _run_attention_softmax(case: dict, device: str) -> CheckResult:
     grad_inputs = ["scores", "mask"] if case["mask_grad"] else ["scores"]
 
     def run(fn):
-        return lambda **kw: fn(kw["scores"], key_padding_mask=kw.get("key_padding_mask"), mask=kw.get("mask"), **options)
+        return lambda **kw: fn(
+            kw["scores"], key_padding_mask=kw.get("key_padding_mask"), mask=kw.get("mask"), **options
+        )
 
     with _backend.record_backends() as ran:
         comparisons = check_function(

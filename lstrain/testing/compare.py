@@ -50,7 +50,10 @@ class Comparison:
 
     def message(self) -> str:
         if self.nan_mismatch:
-            return f"{self.name}: NaN pattern differs from the reference at {self.nan_mismatch} element(s), first at {self.worst_index}"
+            return (
+                f"{self.name}: NaN pattern differs from the reference at {self.nan_mismatch} element(s), "
+                f"first at {self.worst_index}"
+            )
         verdict = "ok" if self.passed else "FAILS"
         return (
             f"{self.name}: max error {self.error:.3g} at {self.worst_index} "
@@ -84,7 +87,8 @@ def compare_to_reference(
     """
     if not (actual.shape == precise.shape == torch_lowp.shape):
         raise ValueError(
-            f"{name}: shapes differ: actual {tuple(actual.shape)}, reference {tuple(precise.shape)}, torch {tuple(torch_lowp.shape)}"
+            f"{name}: shapes differ: actual {tuple(actual.shape)}, reference {tuple(precise.shape)}, "
+            f"torch {tuple(torch_lowp.shape)}"
         )
     atol = DEFAULT_ATOL.get(actual.dtype, 1e-5) if atol is None else atol
     a, p, t = (v.detach().to(torch.float64).cpu() for v in (actual, precise, torch_lowp))
@@ -223,6 +227,8 @@ def check_module(
         precise = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in kw.values())
         return call(precise_ref if precise else reference, kw)
 
-    values = {**dict(params), **dict(zip(input_names, inputs))}
+    values = {**dict(params), **dict(zip(input_names, inputs, strict=True))}
     grad_names = [n for n, v in values.items() if v.is_floating_point()]
-    return check_function(lambda **kw: call(module, kw), reference_call, values, grad_inputs=grad_names, atol=atol, generator=generator)
+    return check_function(
+        lambda **kw: call(module, kw), reference_call, values, grad_inputs=grad_names, atol=atol, generator=generator
+    )

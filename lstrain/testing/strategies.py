@@ -32,7 +32,9 @@ def register_profiles() -> None:
     ``lstrain-gpu``: many examples and larger shapes, for a GPU machine.
     Tests read ``max_cols`` etc. from :func:`size_limits` to match the profile.
     """
-    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+    common = dict(
+        deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True
+    )
     settings.register_profile("lstrain-cpu", max_examples=40, **common)
     settings.register_profile("lstrain-gpu", max_examples=60, **common)
 

@@ -76,7 +76,9 @@ def test_strided_scores(device):
     scores = base[:, ::2]  # strided heads, contiguous keys
     torch.testing.assert_close(attention_softmax(scores, scale=0.5), attention_softmax_ref(scores, scale=0.5))
     transposed = torch.randn(2, 3, 40, 5, device=device).transpose(-1, -2)
-    torch.testing.assert_close(attention_softmax(transposed, causal=True), attention_softmax_ref(transposed, causal=True))
+    torch.testing.assert_close(
+        attention_softmax(transposed, causal=True), attention_softmax_ref(transposed, causal=True)
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,7 +97,9 @@ def test_strided_scores(device):
 )
 def test_bad_input_names_the_argument(device, kwargs, match):
     scores = kwargs.pop("scores", torch.randn(2, 3, 4, 8))
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kwargs.items()}
+    kwargs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kwargs.items()
+    }
     with pytest.raises(ValueError, match=match):
         attention_softmax(scores.to(device), **kwargs)
 
@@ -135,7 +139,7 @@ def test_torch_compile_fullgraph(device):
     ref_out = f(q, k, padding)
     ref_grads = torch.autograd.grad(ref_out, (q, k))
     torch.testing.assert_close(out, ref_out)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r)
 
 

@@ -107,7 +107,7 @@ def test_parameter_gradients_are_deterministic(device):
     dy = torch.randn(300, 200, device=device)
     grads = [torch.autograd.grad(layer_norm(x, 200, w, b), (x, w, b), dy) for _ in range(3)]
     for other in grads[1:]:
-        for g0, g1 in zip(grads[0], other):
+        for g0, g1 in zip(grads[0], other, strict=True):
             assert torch.equal(g0, g1)
 
 
@@ -199,7 +199,7 @@ def test_cuda_graph_capture():
     with torch.cuda.graph(graph):
         grads = torch.autograd.grad(layer_norm(x, 512, w, b), (x, w, b), dy)
     graph.replay()
-    for got, want in zip(grads, expected):
+    for got, want in zip(grads, expected, strict=True):
         assert torch.equal(got, want)
 
 
