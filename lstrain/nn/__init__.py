@@ -1,6 +1,7 @@
 """torch.nn-compatible modules over lstrain.ops (drop-in signatures)."""
 
 from lstrain.nn.attention_softmax import AttentionSoftmax
+from lstrain.nn.cross_entropy import CrossEntropyLoss
 from lstrain.nn.layer_norm import LayerNorm
 
-__all__ = ["AttentionSoftmax", "LayerNorm"]
+__all__ = ["AttentionSoftmax", "CrossEntropyLoss", "LayerNorm"]

@@ -1,6 +1,14 @@
 """Fused ops: each a Triton forward/backward pair behind a functional entry."""
 
 from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_ref
+from lstrain.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 
-__all__ = ["attention_softmax", "attention_softmax_ref", "layer_norm", "layer_norm_ref"]
+__all__ = [
+    "attention_softmax",
+    "attention_softmax_ref",
+    "cross_entropy",
+    "cross_entropy_ref",
+    "layer_norm",
+    "layer_norm_ref",
+]

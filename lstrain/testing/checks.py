@@ -14,9 +14,16 @@ import torch
 from hypothesis import strategies as st
 
 from lstrain import _backend
-from lstrain.ops import attention_softmax, attention_softmax_ref, layer_norm, layer_norm_ref
+from lstrain.ops import (
+    attention_softmax,
+    attention_softmax_ref,
+    cross_entropy,
+    cross_entropy_ref,
+    layer_norm,
+    layer_norm_ref,
+)
 from lstrain.testing.compare import Comparison, check_function
-from lstrain.testing.strategies import attention_softmax_cases, layer_norm_cases
+from lstrain.testing.strategies import attention_softmax_cases, cross_entropy_cases, layer_norm_cases
 
 __all__ = ["OP_CHECKS", "CheckResult", "OpCheck"]
 
@@ -85,7 +92,24 @@ def _run_attention_softmax(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_cross_entropy(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    vocab = case["shape"][-1]
+    logits = _randn(case["shape"], gen, device, case["dtype"]) * case["scale"]
+    target = torch.randint(0, vocab, case["shape"][:-1], generator=gen)
+    target = target.masked_fill(torch.rand(target.shape, generator=gen) < case["ignored"], -100).to(device)
+    options = {k: case[k] for k in ("label_smoothing", "reduction", "z_loss")}
+
+    def run(fn):
+        return lambda logits: fn(logits, target, **options)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(run(cross_entropy), run(cross_entropy_ref), {"logits": logits}, generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
+    "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
 }

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 __all__ = [
     "FLOAT_DTYPES",
     "attention_softmax_cases",
+    "cross_entropy_cases",
     "dtypes",
     "layer_norm_cases",
     "register_profiles",
@@ -42,8 +43,24 @@ def register_profiles() -> None:
 def size_limits(device: str) -> dict[str, int]:
     """Largest sizes worth drawing on ``device`` ("cpu" runs the interpreter)."""
     if device == "cpu":
-        return {"rows": 12, "cols": 1200, "long_cols": 20000, "k_len": 300, "long_k": 5000}
-    return {"rows": 4096, "cols": 8192, "long_cols": 65536, "k_len": 4096, "long_k": 16384}
+        return {
+            "rows": 12,
+            "cols": 1200,
+            "long_cols": 20000,
+            "k_len": 300,
+            "long_k": 5000,
+            "vocab": 3000,
+            "long_vocab": 40000,
+        }
+    return {
+        "rows": 4096,
+        "cols": 8192,
+        "long_cols": 65536,
+        "k_len": 4096,
+        "long_k": 16384,
+        "vocab": 32768,
+        "long_vocab": 262144,
+    }
 
 
 def dtypes() -> st.SearchStrategy[torch.dtype]:
@@ -107,5 +124,29 @@ def attention_softmax_cases(draw, device: str = "cpu", dtype: torch.dtype | None
         "padding": draw(st.sampled_from([None, 0.3, 1.0])),
         "mask_shape": mask_shape,
         "mask_grad": mask_shape is not None and draw(st.booleans()),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def cross_entropy_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A cross-entropy case: [tokens, V] or [batch, seq, V], smoothing, ignored rows, reduction, z-loss."""
+    limits = size_limits(device)
+    long_row = draw(st.integers(0, 9)) == 0
+    vocab = (
+        draw(st.integers(limits["vocab"] + 1, limits["long_vocab"])) if long_row else draw(row_widths(limits["vocab"]))
+    )
+    tokens = draw(st.integers(1, 4 if long_row else 24))
+    shape = (tokens, vocab)
+    if tokens % 2 == 0 and draw(st.booleans()):
+        shape = (2, tokens // 2, vocab)
+    return {
+        "shape": shape,
+        "dtype": dtype or draw(dtypes()),
+        "label_smoothing": draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])),
+        "ignored": draw(st.sampled_from([0.0, 0.05, 0.3, 1.0])),
+        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
+        "z_loss": draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1])),
+        "scale": draw(st.sampled_from([1.0, 4.0, 20.0])),
         "seed": draw(seeds()),
     }

@@ -1,0 +1,540 @@
+"""Label-smoothed cross-entropy with optional z-loss, loss and gradient in one pass.
+
+Target distribution p = (1 - a) * onehot(target) + a / V (a = label_smoothing), so
+
+    loss_i = lse_i - (1 - a) * x_i[t_i] - (a / V) * sum_j x_ij  (+ z_loss * lse_i^2)
+    dloss_i / dx_ij = softmax_ij * (1 + 2 * z_loss * lse_i) - p_ij
+
+One program per row reads the row once for the statistics (per-lane online max and
+sum-exp, plus the sum of logits for smoothing) and, when the loss is reduced (mean or
+sum), writes the gradient (q - p) * scale in a second sweep over the same row, which is
+served by L2. Backward then only has to multiply by grad_output, and skips even that
+(touching no memory) when grad_output is exactly 1, without a host sync. With
+``reduction="none"`` the gradient depends on a per-row grad_output, so backward
+recomputes it from the logits and the saved row max and sum of exponentials.
+
+Rows whose target is ``ignore_index`` give zero loss and zero gradient. A target outside
+[0, V) never causes a read outside the row: its loss and gradient are NaN (and, for CPU
+tensors or with ``check_targets=True``, a ValueError names it first).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+
+__all__ = [
+    "CrossEntropyFunction",
+    "CrossEntropyPlan",
+    "cross_entropy",
+    "cross_entropy_bwd",
+    "cross_entropy_fwd",
+    "cross_entropy_plan",
+    "cross_entropy_ref",
+    "scale_gradient_",
+]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@triton.jit
+def _write_gradient(
+    x_row,
+    grad_row,
+    vocab,
+    target,
+    row_max,
+    sum_exp,
+    scale,
+    smoothing,
+    z_loss,
+    HAS_Z_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is 0 or NaN for
+    ignored or bad rows, which zeroes or poisons them).
+
+    softmax = exp(x - max) / sum_exp: x - max is exact where it matters, whereas
+    exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
+    """
+    col = tl.arange(0, BLOCK)
+    q_scale = 1.0 / sum_exp
+    if HAS_Z_LOSS:
+        q_scale *= 1.0 + 2.0 * z_loss * (row_max + tl.log(sum_exp))
+    uniform = smoothing / vocab
+    for start in range(0, vocab, BLOCK):
+        c = start + col
+        ok = c < vocab
+        x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+        p = tl.where(c == target, 1.0 - smoothing + uniform, uniform)
+        g = (tl.exp(x - row_max) * q_scale - p) * scale
+        tl.store(grad_row + c, g.to(grad_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    logits_ptr,
+    target_ptr,
+    loss_ptr,
+    stats_ptr,
+    grad_ptr,
+    count_ptr,
+    rows,
+    vocab,
+    logits_row_stride,
+    grad_row_stride,
+    ignore_index,
+    smoothing,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    smoothing = tl.cast(smoothing, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    bad = ((target < 0) | (target >= vocab)) & ~ignored
+    x_row = logits_ptr + row * logits_row_stride
+    col = tl.arange(0, BLOCK)
+    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done.
+    lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    lane_total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        c = start + col
+        ok = c < vocab
+        x = tl.load(x_row + c, mask=ok, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
+        lane_max = new_max
+        if HAS_SMOOTHING:
+            lane_total += tl.where(ok, x, 0.0)
+    row_max = tl.max(lane_max, axis=0)
+    row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+    sum_exp = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
+    log_sum_exp = tl.log(sum_exp)
+    x_target = tl.load(x_row + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
+    # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
+    loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
+    if HAS_SMOOTHING:
+        loss += smoothing * (row_max - tl.sum(lane_total, axis=0) / vocab)
+    if HAS_Z_LOSS:
+        loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
+    loss = tl.where(ignored, 0.0, tl.where(bad, float("nan"), loss))
+    tl.store(loss_ptr + row, loss)
+    tl.store(stats_ptr + row, row_max)
+    tl.store(stats_ptr + rows + row, sum_exp)
+    if WRITE_GRAD:
+        scale = 1.0
+        if MEAN:
+            scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+        scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
+        grad_row = grad_ptr + row * grad_row_stride
+        _write_gradient(x_row, grad_row, vocab, target, row_max, sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, BLOCK)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    logits_ptr,
+    target_ptr,
+    stats_ptr,
+    grad_output_ptr,
+    grad_ptr,
+    rows,
+    vocab,
+    logits_row_stride,
+    grad_row_stride,
+    ignore_index,
+    smoothing,
+    z_loss,
+    HAS_Z_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Gradient of the unreduced loss: row i scaled by grad_output[i]."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    bad = ((target < 0) | (target >= vocab)) & ~ignored
+    scale = tl.load(grad_output_ptr + row).to(tl.float32)
+    scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
+    _write_gradient(
+        logits_ptr + row * logits_row_stride,
+        grad_ptr + row * grad_row_stride,
+        vocab,
+        target,
+        tl.load(stats_ptr + row),
+        tl.load(stats_ptr + rows + row),
+        scale,
+        tl.cast(smoothing, tl.float32),
+        tl.cast(z_loss, tl.float32),
+        HAS_Z_LOSS,
+        BLOCK,
+    )
+
+
+@triton.jit
+def _scale_unless_one_kernel(grad_ptr, grad_output_ptr, elements, BLOCK: tl.constexpr):
+    """grad *= grad_output in place, looping zero times when grad_output == 1."""
+    factor = tl.load(grad_output_ptr).to(tl.float32)
+    end = tl.where(factor == 1.0, 0, elements).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, end, step):
+        idx = start + offsets
+        ok = idx < elements
+        g = tl.load(grad_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+        tl.store(grad_ptr + idx, (g * factor).to(grad_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class CrossEntropyPlan:
+    """Launch settings: one program per row, sweeping it in chunks of ``block`` logits."""
+
+    block: int
+    num_warps: int
+
+
+@functools.cache
+def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
+    """Launch settings for rows of ``vocab`` logits (a pure function).
+
+    Chunks of up to 8192 logits with 16 warps: 16 fp32 values per thread for each of the
+    three per-lane accumulators, wide enough to keep many loads in flight per row.
+    """
+    block = min(8192, triton.next_power_of_2(vocab))
+    return CrossEntropyPlan(block, num_warps=max(1, min(16, block // 512)))
+
+
+def _as_rows(logits: torch.Tensor) -> torch.Tensor:
+    rows = logits.reshape(-1, logits.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss: float,
+    grad_scale: str | None,
+    grad_out: torch.Tensor | None = None,
+    plan: CrossEntropyPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs.
+
+    Args:
+        grad_scale: ``"mean"`` or ``"sum"`` to also write the gradient of that reduction
+            of the loss (for grad_output = 1), or None for no gradient.
+        grad_out: where to write the gradient ([rows, V] in the logits' dtype, e.g. the
+            logits themselves); a new tensor when None.
+
+    Returns:
+        ``(loss, stats, valid_rows)``: the fp32 per-row loss [rows]; fp32 [2, rows] holding
+        each row's max and sum of exp(x - max); the number of rows not ignored (a 0-d
+        device tensor). The gradient, when asked for, is written into ``grad_out``.
+    """
+    x = _as_rows(logits)
+    rows, vocab = x.shape
+    flat_target = target.reshape(-1)
+    loss = torch.empty(rows, dtype=torch.float32, device=x.device)
+    stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
+    valid_rows = (flat_target != ignore_index).sum()
+    if rows == 0:
+        return loss, stats, valid_rows
+    plan = plan or cross_entropy_plan(vocab)
+    write_grad = grad_scale is not None
+    _cross_entropy_fwd_kernel[(rows,)](
+        x, flat_target, loss, stats, grad_out if write_grad else None, valid_rows,
+        rows, vocab, x.stride(0), grad_out.stride(0) if write_grad else 0,
+        ignore_index, label_smoothing, z_loss,
+        HAS_SMOOTHING=label_smoothing > 0,
+        HAS_Z_LOSS=z_loss > 0,
+        WRITE_GRAD=write_grad,
+        MEAN=grad_scale == "mean",
+        BLOCK=plan.block,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    return loss, stats, valid_rows
+
+
+def cross_entropy_bwd(
+    grad_output: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    stats: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss: float,
+    plan: CrossEntropyPlan | None = None,
+) -> torch.Tensor:
+    """Gradient of the unreduced loss (``reduction="none"``): a new [*, V] tensor."""
+    x = _as_rows(logits)
+    rows, vocab = x.shape
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if rows == 0:
+        return grad
+    plan = plan or cross_entropy_plan(vocab)
+    grad_output = grad_output.reshape(-1).contiguous()
+    _cross_entropy_bwd_kernel[(rows,)](
+        x, target.reshape(-1), stats, grad_output, grad,
+        rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
+        HAS_Z_LOSS=z_loss > 0,
+        BLOCK=plan.block,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    return grad
+
+
+def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``grad *= grad_output`` in place (grad contiguous, grad_output a 0-d tensor);
+    reads and writes nothing of ``grad`` when grad_output is exactly 1, with no host sync."""
+    elements = grad.numel()
+    if elements == 0:
+        return
+    sms = _backend.multiprocessor_count(_backend.device_index(grad))
+    programs = max(1, min(triton.cdiv(elements, 4096), 4 * sms))
+    _scale_unless_one_kernel[(programs,)](grad, grad_output, elements, BLOCK=4096, num_warps=8)
+
+
+@torch.library.custom_op("lstrain::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss: float,
+    grad_scale: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad_rows = grad.view(-1, logits.shape[-1]) if grad_scale is not None else None
+    loss, stats, valid_rows = cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, z_loss, grad_scale, grad_rows
+    )
+    return loss, stats, valid_rows, grad
+
+
+@_cross_entropy_fwd_op.register_fake
+def _(logits, target, label_smoothing, ignore_index, z_loss, grad_scale):
+    rows = target.numel()
+    loss = logits.new_empty(rows, dtype=torch.float32)
+    stats = logits.new_empty((2, rows), dtype=torch.float32)
+    valid = logits.new_empty((), dtype=torch.int64)
+    return loss, stats, valid, torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lstrain::cross_entropy_bwd", mutates_args=())
+def _cross_entropy_bwd_op(
+    grad_output: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    stats: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss: float,
+) -> torch.Tensor:
+    return cross_entropy_bwd(grad_output, logits, target, stats, label_smoothing, ignore_index, z_loss)
+
+
+@_cross_entropy_bwd_op.register_fake
+def _(grad_output, logits, target, stats, label_smoothing, ignore_index, z_loss):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lstrain::scale_gradient_", mutates_args=("grad",))
+def _scale_gradient_op(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    scale_gradient_(grad, grad_output)
+
+
+@_scale_gradient_op.register_fake
+def _(grad, grad_output):
+    return None
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd for :func:`cross_entropy`.
+
+    For mean/sum the gradient is computed in forward (into a new buffer, or into the
+    logits' own storage with ``inplace_backward``) and backward only rescales it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward):
+        compiling = torch.compiler.is_compiling()
+        needs_grad = ctx.needs_input_grad[0]
+        grad_scale = reduction if needs_grad and reduction != "none" else None
+        if compiling:
+            loss, stats, valid_rows, grad = _cross_entropy_fwd_op(
+                logits, target, label_smoothing, ignore_index, z_loss, grad_scale
+            )
+        else:
+            grad = None
+            if grad_scale is not None:
+                in_place = inplace_backward and logits.is_contiguous()
+                grad = logits.detach() if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
+            grad_rows = None if grad is None else grad.view(-1, logits.shape[-1])
+            loss, stats, valid_rows = cross_entropy_fwd(
+                logits, target, label_smoothing, ignore_index, z_loss, grad_scale, grad_rows
+            )
+        ctx.reduction = reduction
+        ctx.options = (label_smoothing, ignore_index, z_loss)
+        ctx.backward_done = False
+        if grad_scale is not None:
+            ctx.save_for_backward(grad)
+        elif needs_grad:
+            ctx.save_for_backward(logits, target, stats)
+        if reduction == "none":
+            return loss.view(target.shape)
+        total = loss.sum()
+        return total / valid_rows if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        compiling = torch.compiler.is_compiling()
+        if ctx.reduction == "none":
+            logits, target, stats = ctx.saved_tensors
+            bwd = _cross_entropy_bwd_op if compiling else cross_entropy_bwd
+            return bwd(grad_loss, logits, target, stats, *ctx.options), None, None, None, None, None, None
+        if ctx.backward_done:
+            raise RuntimeError(
+                "cross_entropy: backward ran twice through the same graph; the gradient was computed in forward and "
+                "rescaled in place. Call cross_entropy again for a second backward."
+            )
+        ctx.backward_done = True
+        (grad,) = ctx.saved_tensors
+        (_scale_gradient_op if compiling else scale_gradient_)(grad, grad_loss)
+        return grad, None, None, None, None, None, None
+
+
+def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) -> None:
+    if logits.dim() not in (2, 3):
+        raise ValueError(
+            f"cross_entropy: logits must be 2-D [tokens, V] or 3-D [batch, seq, V], got {tuple(logits.shape)}"
+        )
+    if logits.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"cross_entropy: logits has dtype {logits.dtype}; expected float32, float16 or bfloat16")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: target has shape {tuple(target.shape)}, expected logits' leading shape "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cross_entropy: target must be int64 or int32 class indices, got {target.dtype}")
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {target.device} but logits is on {logits.device}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= z_loss < float("inf"):
+        raise ValueError(f"cross_entropy: z_loss must be a finite number >= 0, got {z_loss}")
+    if logits.shape[-1] == 0:
+        raise ValueError("cross_entropy: logits has no classes (V = 0)")
+
+
+def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"cross_entropy: target {int(target[index])} at {index} is outside [0, {vocab}) "
+            f"and is not ignore_index ({ignore_index})"
+        )
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    inplace_backward: bool = False,
+    check_targets: bool | None = None,
+) -> torch.Tensor:
+    """Cross-entropy with label smoothing and z-loss; the gradient comes from the same pass.
+
+    Same semantics as ``torch.nn.functional.cross_entropy(logits, target,
+    ignore_index=..., label_smoothing=..., reduction=...)`` (no class weights), plus an
+    optional z-loss ``z_loss * logsumexp(logits)^2`` per row (PaLM). Statistics in fp32.
+
+    Args:
+        logits: ``[tokens, V]`` or ``[batch, seq, V]``, float32/float16/bfloat16; only the
+            last dim needs to be contiguous. Any V (rows are swept in chunks).
+        target: class indices, int64 or int32, shaped like ``logits[..., 0]``.
+        label_smoothing: a in [0, 1]; the target distribution is (1 - a) onehot + a / V.
+        ignore_index: rows with this target give zero loss and zero gradient; "mean"
+            divides by the number of other rows (NaN if there are none, as torch).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row loss shaped like target).
+        z_loss: coefficient of the z-loss term (0 disables it).
+        inplace_backward: write the gradient into the logits' storage (saves a
+            [tokens, V] buffer; the logits are overwritten, so nothing else may need
+            them). Applies to mean/sum in eager mode with contiguous logits.
+        check_targets: raise ValueError for a target outside [0, V) that is not
+            ignore_index. Default: on for CPU tensors, off for CUDA, where the check
+            would synchronise with the host; unchecked bad targets give NaN loss and
+            gradient for their rows (never a read outside the row).
+
+    Returns:
+        The loss in the logits' dtype: a 0-d tensor for mean/sum, else shaped like target.
+
+    Raises:
+        ValueError: logits not 2-D/3-D or not a float type, target of the wrong shape,
+            dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
+            negative z_loss, V = 0, or (when checked) a target out of range.
+    """
+    _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
+    if check_targets if check_targets is not None else not logits.is_cuda:
+        _check_target_range(target, logits.shape[-1], ignore_index)
+    backend = _backend.backend_for(logits)
+    _backend.note("cross_entropy", backend)
+    if backend == "reference":
+        return cross_entropy_ref(
+            logits,
+            target,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            z_loss=z_loss,
+        )
+    loss = CrossEntropyFunction.apply(
+        logits, target, float(label_smoothing), int(ignore_index), float(z_loss), reduction, inplace_backward
+    )
+    return loss.to(logits.dtype)
+
+
+def cross_entropy_ref(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """PyTorch's own cross-entropy (computed in fp32 for low-precision logits, as its
+    kernels do), plus the z-loss term, in the logits' dtype."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.reshape(-1, logits.shape[-1]).to(compute)
+    t = target.reshape(-1).long()
+    loss = torch.nn.functional.cross_entropy(
+        x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
+    if z_loss > 0:
+        loss = loss + torch.where(t == ignore_index, 0.0, z_loss * torch.logsumexp(x, dim=-1).square())
+    if reduction == "none":
+        return loss.view(target.shape).to(logits.dtype)
+    total = loss.sum()
+    return (total / (t != ignore_index).sum() if reduction == "mean" else total).to(logits.dtype)
