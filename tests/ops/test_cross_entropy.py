@@ -1,0 +1,221 @@
+import pytest
+import torch
+from hypothesis import example, given
+
+import lstrain
+from lstrain.ops import cross_entropy
+from lstrain.ops.cross_entropy import cross_entropy_plan, scale_gradient_
+from lstrain.testing import assert_all_passed
+from lstrain.testing.checks import OP_CHECKS
+from lstrain.testing.strategies import cross_entropy_cases
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+CHECK = OP_CHECKS["cross_entropy"]
+
+
+def _case(
+    shape, dtype=torch.float32, label_smoothing=0.0, ignored=0.0, reduction="mean", z_loss=0.0, scale=1.0, seed=0
+):
+    return {
+        "shape": shape,
+        "dtype": dtype,
+        "label_smoothing": label_smoothing,
+        "ignored": ignored,
+        "reduction": reduction,
+        "z_loss": z_loss,
+        "scale": scale,
+        "seed": seed,
+    }
+
+
+@given(case=cross_entropy_cases(DEVICE))
+@example(case=_case((1, 1)))
+@example(case=_case((3, 7), dtype=torch.bfloat16, label_smoothing=0.1, ignored=0.3))
+@example(case=_case((2, 3, 50), dtype=torch.float16, reduction="none", z_loss=1e-4))
+@example(case=_case((4, 8193), reduction="sum", label_smoothing=1.0, scale=20.0))  # two chunks per row
+@example(case=_case((5, 33), ignored=1.0, reduction="sum"))  # every row ignored
+def test_matches_torch(case):
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_is_q_minus_p(device, reduction):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40, device=device, requires_grad=True)
+    target = torch.randint(0, 40, (6,), device=device)
+    target[2] = -100
+    a = 0.2
+    cross_entropy(logits, target, label_smoothing=a, reduction=reduction).backward()
+    q = torch.softmax(logits.detach().double(), -1)
+    p = (1 - a) * torch.nn.functional.one_hot(target.clamp(min=0), 40).double() + a / 40
+    expected = (q - p) * (target != -100)[:, None]
+    if reduction == "mean":
+        expected /= 5
+    torch.testing.assert_close(logits.grad.double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_mean_with_every_row_ignored_is_nan_like_torch(device):
+    logits = torch.randn(3, 5, device=device, requires_grad=True)
+    target = torch.full((3,), -100, device=device)
+    loss = cross_entropy(logits, target)
+    assert torch.isnan(loss) and torch.isnan(torch.nn.functional.cross_entropy(logits, target))
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_backward_scales_by_grad_output(device):
+    logits = torch.randn(4, 30, device=device, requires_grad=True)
+    target = torch.randint(0, 30, (4,), device=device)
+    (g1,) = torch.autograd.grad(cross_entropy(logits, target), logits)
+    (g3,) = torch.autograd.grad(3 * cross_entropy(logits, target), logits)
+    torch.testing.assert_close(g3, 3 * g1)
+
+
+def test_scale_gradient_skips_work_for_one(device):
+    grad = torch.randn(1000, device=device)
+    before = grad.clone()
+    scale_gradient_(grad, torch.tensor(1.0, device=device))
+    assert torch.equal(grad, before)
+    scale_gradient_(grad, torch.tensor(-0.5, device=device))
+    torch.testing.assert_close(grad, before * -0.5)
+
+
+def test_inplace_backward_writes_into_the_logits(device):
+    base = torch.randn(5, 64, device=device)
+    target = torch.randint(0, 64, (5,), device=device)
+    reference = torch.nn.functional.cross_entropy(base, target)
+    leaf = base.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(cross_entropy(leaf, target), leaf)
+    logits = base.clone().requires_grad_()
+    hidden = logits * 1.0  # a non-leaf, as an lm head's output is
+    loss = cross_entropy(hidden, target, inplace_backward=True)
+    torch.testing.assert_close(loss, reference)
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(hidden.detach(), expected)  # the logits' storage now holds the gradient
+
+
+def test_a_second_backward_is_refused(device):
+    logits = torch.randn(2, 8, device=device, requires_grad=True)
+    loss = cross_entropy(logits, torch.tensor([1, 2], device=device))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_bad_targets_give_nan_rows_when_unchecked(device):
+    logits = torch.randn(3, 10, device=device, requires_grad=True)
+    target = torch.tensor([1, 10, -100], device=device)
+    loss = cross_entropy(logits, target, reduction="none", check_targets=False)
+    assert not torch.isnan(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
+    loss.sum().backward()
+    assert torch.isnan(logits.grad[1]).all() and not torch.isnan(logits.grad[0]).any()
+
+
+def test_nan_in_gives_nan_out(device):
+    logits = torch.randn(2, 16, device=device)
+    logits[1, 3] = float("nan")
+    loss = cross_entropy(logits, torch.tensor([0, 1], device=device), reduction="none")
+    assert not torch.isnan(loss[0]) and torch.isnan(loss[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(logits=torch.randn(2, 3, 4, 5)), "logits must be 2-D"),
+        (dict(logits=torch.randint(0, 3, (2, 5))), "logits has dtype"),
+        (dict(target=torch.tensor([0, 1, 2])), "target has shape"),
+        (dict(target=torch.tensor([0.0, 1.0])), "target must be int64"),
+        (dict(target=torch.tensor([0, 5])), "target 5 at \\(1,\\) is outside \\[0, 5\\)"),
+        (dict(target=torch.tensor([-3, 0])), "target -3"),
+        (dict(label_smoothing=1.5), "label_smoothing must be in \\[0, 1\\], got 1.5"),
+        (dict(reduction="avg"), "reduction must be one of"),
+        (dict(z_loss=-1.0), "z_loss"),
+        (dict(target=torch.tensor([0, 1], device="meta")), "target is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(device, kwargs, match):
+    logits = kwargs.pop("logits", torch.randn(2, 5)).to(device)
+    target = kwargs.pop("target", torch.tensor([0, 1]))
+    target = target if target.device.type == "meta" else target.to(device)
+    with pytest.raises(ValueError, match=match):
+        cross_entropy(logits, target, check_targets=True, **kwargs)
+
+
+def test_launch_plan():
+    assert cross_entropy_plan(50257).block == 8192
+    assert cross_entropy_plan(100).block == 128
+    for vocab in (1, 2, 1000, 32000, 262144):
+        plan = cross_entropy_plan(vocab)
+        assert 1 <= plan.num_warps <= 16 and plan.block <= 8192
+
+
+def test_module_is_a_drop_in(device):
+    ours = lstrain.nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.1)
+    logits = torch.randn(2, 6, 11, device=device)
+    target = torch.randint(0, 11, (2, 6), device=device)
+    torch.testing.assert_close(ours(logits, target), theirs(logits.transpose(1, 2), target))
+    with pytest.raises(ValueError, match="class weights"):
+        lstrain.nn.CrossEntropyLoss(weight=torch.ones(3))
+
+
+def test_torch_compile_fullgraph(device):
+    w = torch.randn(16, 50, device=device, requires_grad=True)
+
+    def f(h, target):
+        return cross_entropy(h @ w, target, label_smoothing=0.1, z_loss=1e-3)
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    h = torch.randn(8, 16, device=device)
+    target = torch.randint(0, 50, (8,), device=device)
+    out = compiled(h, target)
+    (grad,) = torch.autograd.grad(out, w)
+    ref_out = f(h, target)
+    (ref_grad,) = torch.autograd.grad(ref_out, w)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_custom_ops_pass_opcheck(device):
+    logits = torch.randn(4, 20, device=device)
+    target = torch.tensor([1, -100, 3, 19], device=device)
+    torch.library.opcheck(torch.ops.lstrain.cross_entropy_fwd, (logits, target, 0.1, -100, 1e-3, "mean"))
+    _, stats, _, _ = torch.ops.lstrain.cross_entropy_fwd(logits, target, 0.1, -100, 1e-3, None)
+    grad_out = torch.randn(4, device=device)
+    torch.library.opcheck(torch.ops.lstrain.cross_entropy_bwd, (grad_out, logits, target, stats, 0.1, -100, 1e-3))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    logits = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 1000, (64,), device="cuda")
+    for _ in range(2):
+        (expected,) = torch.autograd.grad(cross_entropy(logits, target, label_smoothing=0.1), logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (grad,) = torch.autograd.grad(cross_entropy(logits, target, label_smoothing=0.1), logits)
+    graph.replay()
+    assert torch.equal(grad, expected)
+
+
+@pytest.mark.gpu
+def test_offsets_beyond_int32():
+    vocab = 65536
+    rows = 2**31 // vocab + 4  # more than 2**31 logits
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    loss = cross_entropy(logits, target, reduction="sum")
+    (grad,) = torch.autograd.grad(loss, logits)
+    tail = slice(rows - 4, rows)
+    x = logits[tail].detach().float()
+    torch.testing.assert_close(
+        cross_entropy(logits[tail].detach(), target[tail], reduction="none").float(),
+        torch.nn.functional.cross_entropy(x, target[tail], reduction="none"),
+        atol=2e-2,
+        rtol=1e-2,
+    )
+    expected = torch.softmax(x, -1) - torch.nn.functional.one_hot(target[tail], vocab)
+    torch.testing.assert_close(grad[tail].float(), expected, atol=1e-3, rtol=2e-2)
