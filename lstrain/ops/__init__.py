@@ -3,6 +3,7 @@
 from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_ref
 from lstrain.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
+from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 
 __all__ = [
     "attention_softmax",
@@ -11,4 +12,6 @@ __all__ = [
     "cross_entropy_ref",
     "layer_norm",
     "layer_norm_ref",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
 ]

@@ -232,29 +232,29 @@ def cross_entropy_fwd(
     z_loss: float,
     grad_scale: str | None,
     grad_out: torch.Tensor | None = None,
+    valid_rows: torch.Tensor | None = None,
     plan: CrossEntropyPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs.
 
     Args:
         grad_scale: ``"mean"`` or ``"sum"`` to also write the gradient of that reduction
-            of the loss (for grad_output = 1), or None for no gradient.
-        grad_out: where to write the gradient ([rows, V] in the logits' dtype, e.g. the
-            logits themselves); a new tensor when None.
+            of the loss (for grad_output = 1) into ``grad_out``, or None for no gradient.
+        grad_out: [rows, V] in the logits' dtype (may be the logits themselves).
+        valid_rows: for "mean", the 0-d device tensor counting the non-ignored rows the
+            mean divides by (possibly over more rows than these, e.g. chunks of a batch).
 
     Returns:
-        ``(loss, stats, valid_rows)``: the fp32 per-row loss [rows]; fp32 [2, rows] holding
-        each row's max and sum of exp(x - max); the number of rows not ignored (a 0-d
-        device tensor). The gradient, when asked for, is written into ``grad_out``.
+        ``(loss, stats)``: the fp32 per-row loss [rows], and fp32 [2, rows] holding each
+        row's max and its sum of exp(x - max).
     """
     x = _as_rows(logits)
     rows, vocab = x.shape
     flat_target = target.reshape(-1)
     loss = torch.empty(rows, dtype=torch.float32, device=x.device)
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
-    valid_rows = (flat_target != ignore_index).sum()
     if rows == 0:
-        return loss, stats, valid_rows
+        return loss, stats
     plan = plan or cross_entropy_plan(vocab)
     write_grad = grad_scale is not None
     _cross_entropy_fwd_kernel[(rows,)](
@@ -268,7 +268,7 @@ def cross_entropy_fwd(
         BLOCK=plan.block,
         num_warps=plan.num_warps,
     )  # fmt: skip
-    return loss, stats, valid_rows
+    return loss, stats
 
 
 def cross_entropy_bwd(
@@ -318,22 +318,23 @@ def _cross_entropy_fwd_op(
     ignore_index: int,
     z_loss: float,
     grad_scale: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    valid_rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shape = logits.shape if grad_scale is not None else (0,)
+    grad = torch.empty(shape, dtype=logits.dtype, device=logits.device)
     grad_rows = grad.view(-1, logits.shape[-1]) if grad_scale is not None else None
-    loss, stats, valid_rows = cross_entropy_fwd(
-        logits, target, label_smoothing, ignore_index, z_loss, grad_scale, grad_rows
+    loss, stats = cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, z_loss, grad_scale, grad_rows, valid_rows
     )
-    return loss, stats, valid_rows, grad
+    return loss, stats, grad
 
 
 @_cross_entropy_fwd_op.register_fake
-def _(logits, target, label_smoothing, ignore_index, z_loss, grad_scale):
+def _(logits, target, label_smoothing, ignore_index, z_loss, grad_scale, valid_rows):
     rows = target.numel()
     loss = logits.new_empty(rows, dtype=torch.float32)
     stats = logits.new_empty((2, rows), dtype=torch.float32)
-    valid = logits.new_empty((), dtype=torch.int64)
-    return loss, stats, valid, torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return loss, stats, logits.new_empty(logits.shape if grad_scale is not None else (0,))
 
 
 @torch.library.custom_op("lstrain::cross_entropy_bwd", mutates_args=())
@@ -364,6 +365,27 @@ def _(grad, grad_output):
     return None
 
 
+def loss_and_gradient(logits, target, options, grad_scale, valid_rows, grad_out):
+    """Per-row loss, stats and (for mean/sum) the gradient: written into ``grad_out`` in
+    eager mode, a fresh tensor from the custom op under torch.compile."""
+    if torch.compiler.is_compiling():
+        return _cross_entropy_fwd_op(logits, target, *options, grad_scale, valid_rows)
+    grad_rows = None if grad_out is None else grad_out.view(-1, logits.shape[-1])
+    loss, stats = cross_entropy_fwd(logits, target, *options, grad_scale, grad_rows, valid_rows)
+    return loss, stats, grad_out
+
+
+def rescale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """:func:`scale_gradient_`, through the custom op under torch.compile."""
+    (_scale_gradient_op if torch.compiler.is_compiling() else scale_gradient_)(grad, grad_output)
+
+
+def recompute_gradient(grad_output, logits, target, stats, options) -> torch.Tensor:
+    """:func:`cross_entropy_bwd`, through the custom op under torch.compile."""
+    bwd = _cross_entropy_bwd_op if torch.compiler.is_compiling() else cross_entropy_bwd
+    return bwd(grad_output, logits, target, stats, *options)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for :func:`cross_entropy`.
 
@@ -373,24 +395,17 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward):
-        compiling = torch.compiler.is_compiling()
+        options = (label_smoothing, ignore_index, z_loss)
         needs_grad = ctx.needs_input_grad[0]
         grad_scale = reduction if needs_grad and reduction != "none" else None
-        if compiling:
-            loss, stats, valid_rows, grad = _cross_entropy_fwd_op(
-                logits, target, label_smoothing, ignore_index, z_loss, grad_scale
-            )
-        else:
-            grad = None
-            if grad_scale is not None:
-                in_place = inplace_backward and logits.is_contiguous()
-                grad = logits.detach() if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
-            grad_rows = None if grad is None else grad.view(-1, logits.shape[-1])
-            loss, stats, valid_rows = cross_entropy_fwd(
-                logits, target, label_smoothing, ignore_index, z_loss, grad_scale, grad_rows
-            )
+        valid_rows = (target != ignore_index).sum()
+        grad_out = None
+        if grad_scale is not None and not torch.compiler.is_compiling():
+            in_place = inplace_backward and logits.is_contiguous()
+            grad_out = logits.detach() if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        loss, stats, grad = loss_and_gradient(logits, target, options, grad_scale, valid_rows, grad_out)
         ctx.reduction = reduction
-        ctx.options = (label_smoothing, ignore_index, z_loss)
+        ctx.options = options
         ctx.backward_done = False
         if grad_scale is not None:
             ctx.save_for_backward(grad)
@@ -403,11 +418,9 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        compiling = torch.compiler.is_compiling()
         if ctx.reduction == "none":
             logits, target, stats = ctx.saved_tensors
-            bwd = _cross_entropy_bwd_op if compiling else cross_entropy_bwd
-            return bwd(grad_loss, logits, target, stats, *ctx.options), None, None, None, None, None, None
+            return recompute_gradient(grad_loss, logits, target, stats, ctx.options), None, None, None, None, None, None
         if ctx.backward_done:
             raise RuntimeError(
                 "cross_entropy: backward ran twice through the same graph; the gradient was computed in forward and "
@@ -415,7 +428,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        (_scale_gradient_op if compiling else scale_gradient_)(grad, grad_loss)
+        rescale_gradient_(grad, grad_loss)
         return grad, None, None, None, None, None, None
 
 

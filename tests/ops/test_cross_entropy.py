@@ -182,8 +182,9 @@ def test_torch_compile_fullgraph(device):
 def test_custom_ops_pass_opcheck(device):
     logits = torch.randn(4, 20, device=device)
     target = torch.tensor([1, -100, 3, 19], device=device)
-    torch.library.opcheck(torch.ops.lstrain.cross_entropy_fwd, (logits, target, 0.1, -100, 1e-3, "mean"))
-    _, stats, _, _ = torch.ops.lstrain.cross_entropy_fwd(logits, target, 0.1, -100, 1e-3, None)
+    valid_rows = (target != -100).sum()
+    torch.library.opcheck(torch.ops.lstrain.cross_entropy_fwd, (logits, target, 0.1, -100, 1e-3, "mean", valid_rows))
+    _, stats, _ = torch.ops.lstrain.cross_entropy_fwd(logits, target, 0.1, -100, 1e-3, None, None)
     grad_out = torch.randn(4, device=device)
     torch.library.opcheck(torch.ops.lstrain.cross_entropy_bwd, (grad_out, logits, target, stats, 0.1, -100, 1e-3))
 

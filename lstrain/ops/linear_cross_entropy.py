@@ -1,0 +1,248 @@
+"""Linear + cross-entropy (an LM head's loss) without ever holding the [tokens, V] logits.
+
+Tokens are processed in chunks sized from a memory budget. For each chunk the logits
+``hidden_c @ weight.T + bias`` are computed (cuBLAS, fp32 accumulation), the fused
+cross-entropy kernel turns them *in place* into the gradient of the loss with respect to
+them, and that gradient is folded at once into grad_hidden (one GEMM per chunk, rounded
+once) and grad_weight (``addmm`` with beta=1: each chunk's product is added to the running
+sum inside the GEMM's fp32 epilogue, one rounding per chunk). So the gradients are ready
+when forward ends; backward multiplies them by grad_output, touching no memory when it is
+exactly 1 (no host sync). With ``reduction="none"`` the per-row grad_output is needed, so
+backward recomputes each chunk's logits instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lstrain import _backend
+from lstrain.ops.cross_entropy import (
+    _check_target_range,
+    cross_entropy_ref,
+    loss_and_gradient,
+    recompute_gradient,
+    rescale_gradient_,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LinearCrossEntropyFunction",
+    "chunk_rows",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
+]
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk's logits
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that a chunk's [rows, vocab] logits fit in ``chunk_bytes``.
+
+    A multiple of 64 rows (GEMM tiles) when the budget allows, at least 1, at most ``tokens``.
+    """
+    rows = max(1, chunk_bytes // max(1, vocab * element_size))
+    if rows >= 64:
+        rows -= rows % 64
+    return max(1, min(tokens, rows))
+
+
+def _chunk_logits(hidden_c, weight, bias):
+    logits = hidden_c @ weight.t()
+    if bias is not None:
+        logits += bias
+    return logits
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd for :func:`linear_cross_entropy`; gradients are computed in forward for mean/sum."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction, chunk_bytes):
+        options = (label_smoothing, ignore_index, z_loss)
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        rows_per_chunk = chunk_rows(tokens, vocab, hidden.element_size(), chunk_bytes)
+        needs_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 3))
+        grad_scale = reduction if needs_grad and reduction != "none" else None
+        loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        valid_rows = (target != ignore_index).sum()
+        grad_hidden = grad_weight = grad_bias = None
+        if grad_scale is not None:
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            grad_bias = (
+                torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
+            )
+        for start in range(0, tokens, rows_per_chunk):
+            rows = slice(start, min(tokens, start + rows_per_chunk))
+            hidden_c = hidden[rows]
+            logits = _chunk_logits(hidden_c, weight, bias)
+            # In eager mode the kernel overwrites the chunk's logits with their gradient.
+            grad_out = logits if grad_scale is not None else None
+            chunk_loss, _, grad_logits = loss_and_gradient(
+                logits, target[rows], options, grad_scale, valid_rows, grad_out
+            )
+            loss[rows] = chunk_loss
+            if grad_scale is None:
+                continue
+            grad_hidden[rows] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), hidden_c)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+        ctx.reduction = reduction
+        ctx.options = options
+        ctx.chunk_bytes = chunk_bytes
+        ctx.backward_done = False
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if grad_scale is not None:
+            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        elif needs_grad:
+            ctx.save_for_backward(hidden, weight, target, bias)
+        if reduction == "none":
+            return loss
+        total = loss.sum()
+        return total / valid_rows if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.reduction == "none":
+            return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None)
+        if ctx.backward_done:
+            raise RuntimeError(
+                "linear_cross_entropy: backward ran twice through the same graph; the gradients were computed in "
+                "forward and rescaled in place. Call linear_cross_entropy again for a second backward."
+            )
+        ctx.backward_done = True
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        for grad in (grad_hidden, grad_weight, grad_bias):
+            if grad is not None:
+                rescale_gradient_(grad, grad_loss)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(ctx.bias_dtype)
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+
+
+def _recompute_gradients(ctx, grad_loss):
+    hidden, weight, target, bias = ctx.saved_tensors
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    rows_per_chunk = chunk_rows(tokens, vocab, hidden.element_size(), ctx.chunk_bytes)
+    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
+    for start in range(0, tokens, rows_per_chunk):
+        rows = slice(start, min(tokens, start + rows_per_chunk))
+        logits = _chunk_logits(hidden[rows], weight, bias)
+        _, stats, _ = loss_and_gradient(logits, target[rows], ctx.options, None, None, None)
+        grad_logits = recompute_gradient(grad_loss[rows], logits, target[rows], stats, ctx.options)
+        if grad_hidden is not None:
+            grad_hidden[rows] = grad_logits @ weight
+        if grad_weight is not None:
+            grad_weight.addmm_(grad_logits.t(), hidden[rows])
+        if grad_bias is not None:
+            grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+    return grad_hidden, grad_weight, None, None if grad_bias is None else grad_bias.to(ctx.bias_dtype)
+
+
+def _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"linear_cross_entropy: hidden must be 2-D [tokens, D], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: weight must be [V, D] with D = {hidden.shape[1]}, got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("linear_cross_entropy: weight has no rows (V = 0)")
+    if hidden.dtype not in _SUPPORTED_DTYPES or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"linear_cross_entropy: hidden and weight must share a float dtype (float32, float16 or bfloat16), "
+            f"got {hidden.dtype} and {weight.dtype}"
+        )
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(
+            f"linear_cross_entropy: bias must be [V] = [{weight.shape[0]}] in {hidden.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if tuple(target.shape) != (hidden.shape[0],):
+        raise ValueError(f"linear_cross_entropy: target has shape {tuple(target.shape)}, expected ({hidden.shape[0]},)")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"linear_cross_entropy: target must be int64 or int32 class indices, got {target.dtype}")
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"linear_cross_entropy: {name} is on {t.device} but hidden is on {hidden.device}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= z_loss < float("inf"):
+        raise ValueError(f"linear_cross_entropy: z_loss must be a finite number >= 0, got {z_loss}")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    check_targets: bool | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` without materialising the logits.
+
+    Same result as ``lstrain.ops.cross_entropy(hidden @ weight.T + bias, target, ...)``;
+    the logits exist one chunk of tokens at a time (``chunk_bytes`` of them).
+
+    Args:
+        hidden: ``[tokens, D]`` (flatten batch and sequence first), float32/float16/bfloat16.
+        weight: ``[V, D]``, the LM head (or tied embedding) weight, same dtype.
+        target: ``[tokens]`` int64/int32 class indices.
+        bias: optional ``[V]``, same dtype.
+        label_smoothing, ignore_index, reduction, z_loss, check_targets: as in
+            :func:`lstrain.ops.cross_entropy`.
+        chunk_bytes: memory for one chunk's logits (default 256 MiB).
+
+    Returns:
+        The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or devices, or a bad option (see
+            :func:`lstrain.ops.cross_entropy`).
+    """
+    _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss)
+    check = check_targets if check_targets is not None else not hidden.is_cuda
+    if check and not torch.compiler.is_compiling():
+        _check_target_range(target, weight.shape[0], ignore_index)
+    backend = _backend.backend_for(hidden)
+    _backend.note("linear_cross_entropy", backend)
+    if backend == "reference":
+        return linear_cross_entropy_ref(
+            hidden, weight, target, bias, label_smoothing=label_smoothing, ignore_index=ignore_index,
+            reduction=reduction, z_loss=z_loss,
+        )  # fmt: skip
+    loss = LinearCrossEntropyFunction.apply(
+        hidden, weight, target, bias, float(label_smoothing), int(ignore_index), float(z_loss), reduction, chunk_bytes
+    )
+    return loss.to(hidden.dtype)
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """Plain PyTorch: the full logits, then :func:`cross_entropy_ref`."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy_ref(
+        logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index, reduction=reduction, z_loss=z_loss
+    )
