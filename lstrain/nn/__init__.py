@@ -3,5 +3,6 @@
 from lstrain.nn.attention_softmax import AttentionSoftmax
 from lstrain.nn.cross_entropy import CrossEntropyLoss
 from lstrain.nn.layer_norm import LayerNorm
+from lstrain.nn.linear_cross_entropy import LinearCrossEntropyLoss
 
-__all__ = ["AttentionSoftmax", "CrossEntropyLoss", "LayerNorm"]
+__all__ = ["AttentionSoftmax", "CrossEntropyLoss", "LayerNorm", "LinearCrossEntropyLoss"]

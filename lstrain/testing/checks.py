@@ -21,9 +21,16 @@ from lstrain.ops import (
     cross_entropy_ref,
     layer_norm,
     layer_norm_ref,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
 )
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
-from lstrain.testing.strategies import attention_softmax_cases, cross_entropy_cases, layer_norm_cases
+from lstrain.testing.strategies import (
+    attention_softmax_cases,
+    cross_entropy_cases,
+    layer_norm_cases,
+    linear_cross_entropy_cases,
+)
 
 __all__ = ["OP_CHECKS", "CheckResult", "OpCheck"]
 
@@ -43,7 +50,9 @@ class OpCheck:
     run: Callable[[dict, str], CheckResult]
 
     def describe(self, case: dict) -> str:
-        return "x".join(str(n) for n in case["shape"])
+        if "shape" in case:
+            return "x".join(str(n) for n in case["shape"])
+        return f"{case['tokens']}x{case['hidden']}x{case['vocab']}"
 
 
 def _atol(dtype: torch.dtype, device: str) -> float:
@@ -131,8 +140,36 @@ def _run_cross_entropy(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_linear_cross_entropy(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    tokens, vocab, dtype = case["tokens"], case["vocab"], case["dtype"]
+    inputs = {
+        "hidden": _randn((tokens, case["hidden"]), gen, device, dtype),
+        "weight": _randn((vocab, case["hidden"]), gen, device, dtype) * case["hidden"] ** -0.5,
+    }
+    if case["bias"]:
+        inputs["bias"] = _randn((vocab,), gen, device, dtype) * 0.1
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+    target = target.masked_fill(torch.rand(tokens, generator=gen) < case["ignored"], -100).to(device)
+    options = {k: case[k] for k in ("label_smoothing", "reduction", "z_loss")}
+    chunk_bytes = case["chunk_rows"] * vocab * inputs["hidden"].element_size()
+
+    def ours(**kw):
+        return linear_cross_entropy(
+            kw["hidden"], kw["weight"], target, kw.get("bias"), chunk_bytes=chunk_bytes, **options
+        )
+
+    def reference(**kw):
+        return linear_cross_entropy_ref(kw["hidden"], kw["weight"], target, kw.get("bias"), **options)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(ours, reference, inputs, atol=_atol(dtype, device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
+    "linear_cross_entropy": OpCheck("linear_cross_entropy", linear_cross_entropy_cases, _run_linear_cross_entropy),
 }

@@ -17,6 +17,7 @@ __all__ = [
     "cross_entropy_cases",
     "dtypes",
     "layer_norm_cases",
+    "linear_cross_entropy_cases",
     "register_profiles",
     "row_widths",
     "seeds",
@@ -149,5 +150,26 @@ def cross_entropy_cases(draw, device: str = "cpu", dtype: torch.dtype | None = N
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
         "z_loss": draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1])),
         "scale": draw(st.sampled_from([1.0, 4.0, 20.0])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def linear_cross_entropy_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A linear + cross-entropy case: tokens, hidden size, V, bias, chunking and CE options."""
+    small = device == "cpu"
+    tokens = draw(st.integers(1, 40 if small else 600))
+    vocab = draw(row_widths(400 if small else 50000))
+    return {
+        "tokens": tokens,
+        "hidden": draw(st.sampled_from([8, 24, 64] if small else [64, 256, 1024])),
+        "vocab": vocab,
+        "dtype": dtype or draw(dtypes()),
+        "bias": draw(st.booleans()),
+        "chunk_rows": draw(st.sampled_from([1, 7, 64])),
+        "label_smoothing": draw(st.sampled_from([0.0, 0.1])),
+        "ignored": draw(st.sampled_from([0.0, 0.1, 1.0])),
+        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
+        "z_loss": draw(st.sampled_from([0.0, 1e-3])),
         "seed": draw(seeds()),
     }

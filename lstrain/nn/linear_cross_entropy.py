@@ -1,0 +1,65 @@
+"""``lstrain.nn.LinearCrossEntropyLoss``: an LM head's loss without the [tokens, V] logits."""
+
+from __future__ import annotations
+
+import torch
+
+from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, linear_cross_entropy
+
+__all__ = ["LinearCrossEntropyLoss"]
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """``cross_entropy(hidden @ weight.T + bias, target)`` computed chunk by chunk.
+
+    The module holds only options; the LM head weight stays with the model (often tied to
+    the token embedding): ``loss = criterion(hidden, model.lm_head.weight, target)``.
+    Leading dims of ``hidden`` ([batch, seq, D]) and ``target`` ([batch, seq]) are flattened.
+
+    Args:
+        ignore_index, reduction, label_smoothing, z_loss: as in
+            :func:`lstrain.ops.cross_entropy`.
+        chunk_bytes: memory for one chunk's logits (default 256 MiB).
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        *,
+        z_loss: float = 0.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.chunk_bytes = chunk_bytes
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        loss = linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            target.reshape(-1),
+            bias,
+            label_smoothing=self.label_smoothing,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            z_loss=self.z_loss,
+            chunk_bytes=self.chunk_bytes,
+        )
+        return loss.view(target.shape) if self.reduction == "none" else loss
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, chunk_bytes={self.chunk_bytes}"
+        )

@@ -1,0 +1,161 @@
+import pytest
+import torch
+from hypothesis import example, given
+
+import lstrain
+from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
+from lstrain.ops.linear_cross_entropy import chunk_rows
+from lstrain.testing import assert_all_passed
+from lstrain.testing.checks import OP_CHECKS
+from lstrain.testing.strategies import linear_cross_entropy_cases
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+CHECK = OP_CHECKS["linear_cross_entropy"]
+
+
+def _case(tokens=9, hidden=8, vocab=50, dtype=torch.float32, bias=False, rows=4, reduction="sum", **options):
+    return {
+        "tokens": tokens,
+        "hidden": hidden,
+        "vocab": vocab,
+        "dtype": dtype,
+        "bias": bias,
+        "chunk_rows": rows,
+        "label_smoothing": options.get("label_smoothing", 0.0),
+        "ignored": options.get("ignored", 0.0),
+        "reduction": reduction,
+        "z_loss": options.get("z_loss", 0.0),
+        "seed": 0,
+    }
+
+
+@given(case=linear_cross_entropy_cases(DEVICE))
+@example(case=_case())
+@example(case=_case(tokens=1, vocab=1, rows=1, reduction="mean"))
+@example(case=_case(dtype=torch.float16, bias=True, reduction="none", label_smoothing=0.1, ignored=0.3))
+@example(case=_case(tokens=64, rows=64, reduction="mean", z_loss=1e-3, ignored=1.0))
+def test_matches_torch(case):
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+def test_chunk_rows_fit_the_budget():
+    assert chunk_rows(8192, 128256, 2) == 1024  # 256 MiB of bf16 logits, a multiple of 64
+    assert chunk_rows(100, 128256, 2) == 100
+    assert chunk_rows(8192, 128256, 2, chunk_bytes=1) == 1
+    assert chunk_rows(10, 7, 4, chunk_bytes=4 * 7 * 3) == 3
+    for tokens, vocab in ((1, 1), (8192, 50257), (5, 262144)):
+        rows = chunk_rows(tokens, vocab, 2)
+        assert 1 <= rows <= tokens and (rows == 1 or rows * vocab * 2 <= 256 * 2**20)
+
+
+def test_same_as_logits_then_cross_entropy(device):
+    torch.manual_seed(0)
+    hidden = torch.randn(20, 16, device=device, requires_grad=True)
+    weight = torch.randn(70, 16, device=device, requires_grad=True)
+    target = torch.randint(0, 70, (20,), device=device)
+    options = dict(label_smoothing=0.1, z_loss=1e-3)
+    loss = linear_cross_entropy(hidden, weight, target, chunk_bytes=6 * 70 * 4, **options)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    expected = cross_entropy(hidden @ weight.t(), target, **options)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    torch.testing.assert_close(loss, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_backward_scales_by_grad_output_and_refuses_a_second_pass(device):
+    hidden = torch.randn(6, 8, device=device, requires_grad=True)
+    weight = torch.randn(11, 8, device=device)
+    target = torch.randint(0, 11, (6,), device=device)
+    (g1,) = torch.autograd.grad(linear_cross_entropy(hidden, weight, target), hidden)
+    loss = linear_cross_entropy(hidden, weight, target)
+    (g2,) = torch.autograd.grad(2.5 * loss, hidden, retain_graph=True)
+    torch.testing.assert_close(g2, 2.5 * g1)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        torch.autograd.grad(loss, hidden)
+
+
+def test_no_gradient_needed(device):
+    hidden = torch.randn(5, 8, device=device)
+    weight = torch.randn(9, 8, device=device)
+    target = torch.randint(0, 9, (5,), device=device)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, target)
+    torch.testing.assert_close(loss, linear_cross_entropy_ref(hidden, weight, target))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hidden=torch.randn(2, 3, 8)), "hidden must be 2-D"),
+        (dict(weight=torch.randn(10, 7)), "weight must be \\[V, D\\] with D = 8"),
+        (dict(weight=torch.randn(10, 8).double()), "share a float dtype"),
+        (dict(bias=torch.randn(9)), "bias must be \\[V\\]"),
+        (dict(target=torch.tensor([0, 1, 2])), "target has shape"),
+        (dict(target=torch.tensor([0, 10, 1, 2])), "target 10 at \\(1,\\) is outside \\[0, 10\\)"),
+        (dict(label_smoothing=-0.1), "label_smoothing"),
+        (dict(reduction="max"), "reduction"),
+        (dict(weight=torch.randn(10, 8, device="meta")), "weight is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(device, kwargs, match):
+    hidden = kwargs.pop("hidden", torch.randn(4, 8))
+    weight = kwargs.pop("weight", torch.randn(10, 8))
+    target = kwargs.pop("target", torch.tensor([0, 1, 2, 3]))
+    bias = kwargs.pop("bias", None)
+    move = lambda t: t if t is None or t.device.type == "meta" else t.to(device)  # noqa: E731
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(move(hidden), move(weight), move(target), move(bias), check_targets=True, **kwargs)
+
+
+def test_module(device):
+    criterion = lstrain.nn.LinearCrossEntropyLoss(ignore_index=0, reduction="none", chunk_bytes=4 * 13 * 4)
+    hidden = torch.randn(2, 5, 8, device=device)
+    weight = torch.randn(13, 8, device=device)
+    target = torch.randint(0, 13, (2, 5), device=device)
+    loss = criterion(hidden, weight, target)
+    assert loss.shape == (2, 5)
+    torch.testing.assert_close(
+        loss,
+        linear_cross_entropy_ref(hidden.view(10, 8), weight, target.view(10), ignore_index=0, reduction="none").view(
+            2, 5
+        ),
+    )
+    assert "chunk_bytes=208" in repr(criterion)
+
+
+def test_torch_compile_fullgraph(device):
+    weight = torch.randn(30, 16, device=device, requires_grad=True)
+
+    def f(hidden, target):
+        return linear_cross_entropy(torch.tanh(hidden), weight, target, chunk_bytes=5 * 30 * 4)
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    hidden = torch.randn(12, 16, device=device)
+    target = torch.randint(0, 30, (12,), device=device)
+    out = compiled(hidden, target)
+    (grad,) = torch.autograd.grad(out, weight)
+    ref_out = f(hidden, target)
+    (ref_grad,) = torch.autograd.grad(ref_out, weight)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+@pytest.mark.gpu
+def test_memory_stays_near_one_chunk():
+    tokens, dim, vocab = 4096, 1024, 65536
+    hidden = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16) * dim**-0.5
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = linear_cross_entropy(hidden, weight, target, chunk_bytes=64 * 2**20)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    logits_bytes = tokens * vocab * 2  # 512 MiB that eager would hold (plus its fp32 copies)
+    assert extra < 64 * 2**20 * 2 + 2 * tokens * dim * 2 + 2**20, extra
+    assert extra < logits_bytes / 3
