@@ -9,7 +9,9 @@ For every case and implementation it measures, on one GPU, in one run:
   * time per ordinary call (``y = f(...); y.backward(dy)``, grads reset to None) under do_bench;
   * host microseconds per ordinary call (perf_counter over 200 calls, no sync inside);
   * peak memory above the inputs during one call;
-  * GB/s on the minimal-bytes model and % of the device copy bandwidth measured here.
+  * GB/s on the minimal-bytes model and % of the device copy bandwidth measured here
+    (from the per-call time where an implementation cannot be captured), and TFLOP/s
+    for GEMM-bound cases.
 torch.compile uses ``dynamic=False`` and is reset for every case; compile time is excluded.
 Writes ``results.json`` and ``results.md`` (rows for BENCHMARKS.md) under ``--out``.
 """
@@ -106,9 +108,14 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
             if not diff < 0.05:
                 print(f"warning: {case.op} {name} differs from the first implementation by {diff}")
         del out
-        gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
+        try:
+            gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
+        except RuntimeError as error:  # e.g. an op that synchronises with the host
+            print(f"{case.op} {name}: not capturable in a CUDA graph ({str(error).splitlines()[0]})")
+            torch.cuda.synchronize()
+            gpu = None
         call, host, peak = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
-        gbs = case.min_bytes / (gpu * 1e-3) / 1e9
+        gbs = case.min_bytes / ((gpu or call) * 1e-3) / 1e9
         rows.append(
             {
                 "op": case.op,
@@ -122,12 +129,15 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
                 "pct_copy_bw": 100 * gbs / bandwidth,
                 "min_bytes": case.min_bytes,
                 "target_ms": case.target_ms,
+                "tflops": case.flops / ((gpu or call) * 1e-3) / 1e12 if case.flops else None,
             }
         )
         r = rows[-1]
+        gpu_text = f"{gpu:8.4f} ms" if gpu is not None else "     n/a"
+        tflops = f"  {r['tflops']:6.1f} TFLOP/s" if r["tflops"] else ""
         print(
-            f"{case.op:<18} {case.label:<36} {name:<14} gpu {gpu:8.4f} ms  call {call:8.4f} ms  host {host:7.1f} us  "
-            f"{gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB",
+            f"{case.op:<18} {case.label:<36} {name:<14} gpu {gpu_text}  call {call:8.4f} ms  host {host:7.1f} us  "
+            f"{gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB{tflops}",
             flush=True,
         )
     return rows
@@ -135,17 +145,20 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB | target |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB | TFLOP/s "
+        "| target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = ""
-        if r["impl"] == "lstrain" and r["target_ms"]:
+        if r["impl"] == "lstrain" and r["target_ms"] and r["gpu_ms"] is not None:
             met = "met" if r["gpu_ms"] <= r["target_ms"] else "missed"
             target = f"<= {r['target_ms']} ms: {met}"
+        gpu = f"{r['gpu_ms']:.4f}" if r["gpu_ms"] is not None else "not capturable"
+        tflops = f"{r['tflops']:.0f}" if r["tflops"] else ""
         lines.append(
-            f"| {r['op']} | {r['shape']} | {r['impl']} | {r['gpu_ms']:.4f} | {r['call_ms']:.4f} | {r['host_us']:.0f} | "
-            f"{r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | {target} |"
+            f"| {r['op']} | {r['shape']} | {r['impl']} | {gpu} | {r['call_ms']:.4f} | {r['host_us']:.0f} | "
+            f"{r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | {tflops} | {target} |"
         )
     return "\n".join(lines)
 

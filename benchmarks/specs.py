@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from lstrain.ops import attention_softmax, layer_norm
+from lstrain.ops import attention_softmax, cross_entropy, layer_norm, linear_cross_entropy
 
 
 @dataclass
@@ -24,7 +24,7 @@ class BenchCase:
     implementations: dict[str, Callable[..., torch.Tensor]]
     min_bytes: int
     target_ms: float | None = None
-    notes: list[str] = field(default_factory=list)
+    flops: int = 0
 
 
 def _liger_layer_norm():
@@ -92,7 +92,79 @@ def attention_softmax_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCa
     return [BenchCase("attention_softmax", label, make, ["scores"], impls, min_bytes, 0.25)]
 
 
+def _targets(tokens: int, vocab: int, ignored: float = 0.05) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    return target.masked_fill(torch.rand(tokens, device="cuda", generator=gen) < ignored, -100)
+
+
+def _liger(module_name: str, class_name: str, **kwargs):
+    try:
+        module = __import__(f"liger_kernel.transformers.{module_name}", fromlist=[class_name])
+    except ImportError:
+        return None
+    return getattr(module, class_name)(**kwargs)
+
+
+def cross_entropy_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    cases = []
+    for tokens, vocab, target_ms in ((16384, 50257, 0.95), (8192, 128256, 1.2)):
+
+        def make(tokens=tokens, vocab=vocab):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            logits = torch.randn(tokens, vocab, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            return {"logits": logits, "target": _targets(tokens, vocab)}
+
+        def eager(logits, target):
+            return torch.nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
+
+        impls = {
+            "lstrain": lambda logits, target: cross_entropy(logits, target, label_smoothing=0.1),
+            "eager": eager,
+            "torch.compile": eager,
+        }
+        if (liger := _liger("cross_entropy", "LigerCrossEntropyLoss", label_smoothing=0.1)) is not None:
+            impls["liger"] = liger
+        element = torch.finfo(dtype).bits // 8
+        # read the logits once, write their gradient once
+        label = f"{tokens} x {vocab}, smoothing 0.1, 5% ignored"
+        cases.append(
+            BenchCase("cross_entropy", label, make, ["logits"], impls, 2 * tokens * vocab * element, target_ms)
+        )
+    return cases
+
+
+def linear_cross_entropy_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    tokens, dim, vocab = 8192, 4096, 128256
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        hidden = torch.randn(tokens, dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        weight = (torch.randn(vocab, dim, device="cuda", dtype=dtype, generator=gen) * dim**-0.5).requires_grad_()
+        return {"hidden": hidden, "weight": weight, "target": _targets(tokens, vocab)}
+
+    def eager(hidden, weight, target):
+        return torch.nn.functional.cross_entropy(hidden @ weight.t(), target, label_smoothing=0.1)
+
+    impls = {
+        "lstrain": lambda hidden, weight, target: linear_cross_entropy(hidden, weight, target, label_smoothing=0.1),
+        "eager": eager,
+    }
+    if liger := _liger("fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss", label_smoothing=0.1):
+        impls["liger"] = lambda hidden, weight, target: liger(weight, hidden, target)
+    element = torch.finfo(dtype).bits // 8
+    # hidden and weight read, their gradients written; three GEMMs of 2*N*D*V flops
+    min_bytes = 2 * (tokens * dim + vocab * dim) * element
+    label = f"{tokens} x {dim} -> {vocab}, smoothing 0.1"
+    case = BenchCase(
+        "linear_cross_entropy", label, make, ["hidden", "weight"], impls, min_bytes, 45.0, 6 * tokens * dim * vocab
+    )
+    return [case]
+
+
 REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "attention_softmax": attention_softmax_cases,
+    "cross_entropy": cross_entropy_cases,
+    "linear_cross_entropy": linear_cross_entropy_cases,
 }
