@@ -4,8 +4,9 @@ Tokens are processed in chunks sized from a memory budget. For each chunk the lo
 ``hidden_c @ weight.T + bias`` are computed (cuBLAS, fp32 accumulation), the fused
 cross-entropy kernel turns them *in place* into the gradient of the loss with respect to
 them, and that gradient is folded at once into grad_hidden (one GEMM per chunk, rounded
-once) and grad_weight (``addmm`` with beta=1: each chunk's product is added to the running
-sum inside the GEMM's fp32 epilogue, one rounding per chunk). So the gradients are ready
+once) and grad_weight (accumulated over chunks in fp32: on CUDA each chunk's GEMM adds its fp32
+product straight into the fp32 sum, so nothing is rounded to 16 bits until the end; a
+16-bit running sum would be rounded once per chunk). So the gradients are ready
 when forward ends; backward multiplies them by grad_output, touching no memory when it is
 exactly 1 (no host sync). With ``reduction="none"`` the per-row grad_output is needed, so
 backward recomputes each chunk's logits instead.
@@ -48,6 +49,20 @@ def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DE
     return max(1, min(tokens, rows))
 
 
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, for an fp32 ``acc`` and operands of any float dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit inputs, fp32 output
+    else:  # no mixed-precision GEMM on the CPU
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _weight_accumulator(weight: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
 def _chunk_logits(hidden_c, weight, bias):
     logits = hidden_c @ weight.t()
     if bias is not None:
@@ -70,7 +85,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden = grad_weight = grad_bias = None
         if grad_scale is not None:
             grad_hidden = torch.empty_like(hidden)
-            grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            grad_weight = _weight_accumulator(weight) if ctx.needs_input_grad[1] else None
             grad_bias = (
                 torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
             )
@@ -88,9 +103,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 continue
             grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), hidden_c)
+                _accumulate_product(grad_weight, grad_logits.t(), hidden_c)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         ctx.reduction = reduction
         ctx.options = options
         ctx.chunk_bytes = chunk_bytes
@@ -129,7 +146,7 @@ def _recompute_gradients(ctx, grad_loss):
     tokens, vocab = hidden.shape[0], weight.shape[0]
     rows_per_chunk = chunk_rows(tokens, vocab, hidden.element_size(), ctx.chunk_bytes)
     grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-    grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+    grad_weight = _weight_accumulator(weight) if ctx.needs_input_grad[1] else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
     for start in range(0, tokens, rows_per_chunk):
         rows = slice(start, min(tokens, start + rows_per_chunk))
@@ -139,9 +156,11 @@ def _recompute_gradients(ctx, grad_loss):
         if grad_hidden is not None:
             grad_hidden[rows] = grad_logits @ weight
         if grad_weight is not None:
-            grad_weight.addmm_(grad_logits.t(), hidden[rows])
+            _accumulate_product(grad_weight, grad_logits.t(), hidden[rows])
         if grad_bias is not None:
             grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight, None, None if grad_bias is None else grad_bias.to(ctx.bias_dtype)
 
 
