@@ -53,10 +53,14 @@ def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     """acc += a @ b, for an fp32 ``acc`` and operands of any float dtype."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit inputs, fp32 output
-    else:  # no mixed-precision GEMM on the CPU
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        return
+    if acc.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit inputs, fp32 output (torch >= 2.8)
+            return
+        except TypeError:
+            pass
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # no mixed-precision GEMM here: upcast the chunk
 
 
 def _weight_accumulator(weight: torch.Tensor) -> torch.Tensor:
