@@ -444,21 +444,26 @@ def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) 
             f"cross_entropy: target has shape {tuple(target.shape)}, expected logits' leading shape "
             f"{tuple(logits.shape[:-1])}"
         )
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"cross_entropy: target must be int64 or int32 class indices, got {target.dtype}")
     if target.device != logits.device:
         raise ValueError(f"cross_entropy: target is on {target.device} but logits is on {logits.device}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= z_loss < float("inf"):
-        raise ValueError(f"cross_entropy: z_loss must be a finite number >= 0, got {z_loss}")
     if logits.shape[-1] == 0:
         raise ValueError("cross_entropy: logits has no classes (V = 0)")
+    check_loss_options("cross_entropy", target, label_smoothing, reduction, z_loss)
 
 
-def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+def check_loss_options(op: str, target: torch.Tensor, label_smoothing: float, reduction: str, z_loss: float) -> None:
+    """The checks shared by the cross-entropy ops: target dtype and the loss options."""
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{op}: target must be int64 or int32 class indices, got {target.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= z_loss < float("inf"):
+        raise ValueError(f"{op}: z_loss must be a finite number >= 0, got {z_loss}")
+
+
+def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
@@ -513,7 +518,7 @@ def cross_entropy(
     _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
     check = check_targets if check_targets is not None else not logits.is_cuda
     if check and not torch.compiler.is_compiling():
-        _check_target_range(target, logits.shape[-1], ignore_index)
+        check_target_range(target, logits.shape[-1], ignore_index)
     backend = _backend.backend_for(logits)
     _backend.note("cross_entropy", backend)
     if backend == "reference":

@@ -18,7 +18,8 @@ import torch
 
 from lstrain import _backend
 from lstrain.ops.cross_entropy import (
-    _check_target_range,
+    check_loss_options,
+    check_target_range,
     cross_entropy_ref,
     loss_and_gradient,
     recompute_gradient,
@@ -35,7 +36,6 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk's logits
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -63,8 +63,25 @@ def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # no mixed-precision GEMM here: upcast the chunk
 
 
-def _weight_accumulator(weight: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+class _ChunkGradients:
+    """Gradients of hidden (written chunk by chunk), weight and bias (summed over chunks in fp32)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool]) -> None:
+        vocab = weight.shape[0]
+        self.hidden = torch.empty_like(hidden) if needs[0] else None
+        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        self.bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if needs[2] else None
+
+    def add(self, rows: slice, grad_logits: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
+        if self.hidden is not None:
+            self.hidden[rows] = grad_logits @ weight
+        if self.weight is not None:
+            _accumulate_product(self.weight, grad_logits.t(), hidden_c)
+        if self.bias is not None:
+            self.bias += grad_logits.sum(dim=0, dtype=torch.float32)
+
+    def weight_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if self.weight is None else self.weight.to(dtype)
 
 
 def _chunk_logits(hidden_c, weight, bias):
@@ -74,6 +91,11 @@ def _chunk_logits(hidden_c, weight, bias):
     return logits
 
 
+def _chunks(tokens: int, vocab: int, hidden: torch.Tensor, chunk_bytes: int):
+    step = chunk_rows(tokens, vocab, hidden.element_size(), chunk_bytes)
+    return (slice(start, min(tokens, start + step)) for start in range(0, tokens, step))
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd for :func:`linear_cross_entropy`; gradients are computed in forward for mean/sum."""
 
@@ -81,45 +103,29 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction, chunk_bytes):
         options = (label_smoothing, ignore_index, z_loss)
         tokens, vocab = hidden.shape[0], weight.shape[0]
-        rows_per_chunk = chunk_rows(tokens, vocab, hidden.element_size(), chunk_bytes)
-        needs_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 3))
-        grad_scale = reduction if needs_grad and reduction != "none" else None
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+        grad_scale = reduction if any(needs) and reduction != "none" else None
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         valid_rows = (target != ignore_index).sum()
-        grad_hidden = grad_weight = grad_bias = None
-        if grad_scale is not None:
-            grad_hidden = torch.empty_like(hidden)
-            grad_weight = _weight_accumulator(weight) if ctx.needs_input_grad[1] else None
-            grad_bias = (
-                torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
-            )
-        for start in range(0, tokens, rows_per_chunk):
-            rows = slice(start, min(tokens, start + rows_per_chunk))
-            hidden_c = hidden[rows]
-            logits = _chunk_logits(hidden_c, weight, bias)
+        grads = _ChunkGradients(hidden, weight, needs) if grad_scale is not None else None
+        for rows in _chunks(tokens, vocab, hidden, chunk_bytes):
+            logits = _chunk_logits(hidden[rows], weight, bias)
             # In eager mode the kernel overwrites the chunk's logits with their gradient.
             grad_out = logits if grad_scale is not None else None
             chunk_loss, _, grad_logits = loss_and_gradient(
                 logits, target[rows], options, grad_scale, valid_rows, grad_out
             )
             loss[rows] = chunk_loss
-            if grad_scale is None:
-                continue
-            grad_hidden[rows] = grad_logits @ weight
-            if grad_weight is not None:
-                _accumulate_product(grad_weight, grad_logits.t(), hidden_c)
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            if grads is not None:
+                grads.add(rows, grad_logits, hidden[rows], weight)
         ctx.reduction = reduction
         ctx.options = options
         ctx.chunk_bytes = chunk_bytes
         ctx.backward_done = False
         ctx.bias_dtype = None if bias is None else bias.dtype
-        if grad_scale is not None:
-            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        elif needs_grad:
+        if grads is not None:
+            ctx.save_for_backward(grads.hidden, grads.weight_grad(weight.dtype), grads.bias)
+        elif any(needs):
             ctx.save_for_backward(hidden, weight, target, bias)
         if reduction == "none":
             return loss
@@ -146,26 +152,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _recompute_gradients(ctx, grad_loss):
+    """Backward of ``reduction="none"``: each chunk's logits again, scaled per row."""
     hidden, weight, target, bias = ctx.saved_tensors
-    tokens, vocab = hidden.shape[0], weight.shape[0]
-    rows_per_chunk = chunk_rows(tokens, vocab, hidden.element_size(), ctx.chunk_bytes)
-    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-    grad_weight = _weight_accumulator(weight) if ctx.needs_input_grad[1] else None
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[3] else None
-    for start in range(0, tokens, rows_per_chunk):
-        rows = slice(start, min(tokens, start + rows_per_chunk))
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+    grads = _ChunkGradients(hidden, weight, needs)
+    for rows in _chunks(hidden.shape[0], weight.shape[0], hidden, ctx.chunk_bytes):
         logits = _chunk_logits(hidden[rows], weight, bias)
         _, stats, _ = loss_and_gradient(logits, target[rows], ctx.options, None, None, None)
         grad_logits = recompute_gradient(grad_loss[rows], logits, target[rows], stats, ctx.options)
-        if grad_hidden is not None:
-            grad_hidden[rows] = grad_logits @ weight
-        if grad_weight is not None:
-            _accumulate_product(grad_weight, grad_logits.t(), hidden[rows])
-        if grad_bias is not None:
-            grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_hidden, grad_weight, None, None if grad_bias is None else grad_bias.to(ctx.bias_dtype)
+        grads.add(rows, grad_logits, hidden[rows], weight)
+    grad_bias = None if grads.bias is None else grads.bias.to(ctx.bias_dtype)
+    return grads.hidden, grads.weight_grad(weight.dtype), None, grad_bias
 
 
 def _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss) -> None:
@@ -189,17 +186,10 @@ def _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss) 
         )
     if tuple(target.shape) != (hidden.shape[0],):
         raise ValueError(f"linear_cross_entropy: target has shape {tuple(target.shape)}, expected ({hidden.shape[0]},)")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"linear_cross_entropy: target must be int64 or int32 class indices, got {target.dtype}")
     for name, t in (("weight", weight), ("target", target), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"linear_cross_entropy: {name} is on {t.device} but hidden is on {hidden.device}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"linear_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= z_loss < float("inf"):
-        raise ValueError(f"linear_cross_entropy: z_loss must be a finite number >= 0, got {z_loss}")
+    check_loss_options("linear_cross_entropy", target, label_smoothing, reduction, z_loss)
 
 
 def linear_cross_entropy(
@@ -239,7 +229,7 @@ def linear_cross_entropy(
     _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss)
     check = check_targets if check_targets is not None else not hidden.is_cuda
     if check and not torch.compiler.is_compiling():
-        _check_target_range(target, weight.shape[0], ignore_index)
+        check_target_range(target, weight.shape[0], ignore_index)
     backend = _backend.backend_for(hidden)
     _backend.note("linear_cross_entropy", backend)
     if backend == "reference":
