@@ -109,7 +109,9 @@ def _cross_entropy_fwd_kernel(
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     x_row = logits_ptr + row * logits_row_stride
     col = tl.arange(0, BLOCK)
-    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done.
+    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done, and
+    # one exponential per logit (exp(-|x - max|) serves both cases), which keeps the
+    # special-function units off the critical path at full memory bandwidth.
     lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -117,10 +119,14 @@ def _cross_entropy_fwd_kernel(
         c = start + col
         ok = c < vocab
         x = tl.load(x_row + c, mask=ok, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, x)
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
-        lane_max = new_max
+        above = x - lane_max
+        e = tl.exp(-tl.abs(above))
+        # -inf - -inf is NaN: a lane that has seen only -inf adds nothing (a NaN logit
+        # still makes `above` NaN and spreads to the row's loss, as it should).
+        e = tl.where((x == -float("inf")) & (lane_max == -float("inf")), 0.0, e)
+        new_max = above > 0
+        lane_sum = tl.where(new_max, lane_sum * e + 1.0, lane_sum + e)
+        lane_max = tl.where(new_max, x, lane_max)
         if HAS_SMOOTHING:
             lane_total += tl.where(ok, x, 0.0)
     row_max = tl.max(lane_max, axis=0)
