@@ -256,7 +256,7 @@ def cross_entropy_fwd(
     """
     x = _as_rows(logits)
     rows, vocab = x.shape
-    flat_target = target.reshape(-1)
+    flat_target = target.reshape(-1).contiguous()  # the kernel reads targets at unit stride
     loss = torch.empty(rows, dtype=torch.float32, device=x.device)
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
     if rows == 0:
@@ -296,7 +296,7 @@ def cross_entropy_bwd(
     plan = plan or cross_entropy_plan(vocab)
     grad_output = grad_output.reshape(-1).contiguous()
     _cross_entropy_bwd_kernel[(rows,)](
-        x, target.reshape(-1), stats, grad_output, grad,
+        x, target.reshape(-1).contiguous(), stats, grad_output, grad,
         rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
         HAS_Z_LOSS=z_loss > 0,
         BLOCK=plan.block,

@@ -114,6 +114,21 @@ def test_bad_targets_give_nan_rows_when_unchecked(device):
     assert torch.isnan(logits.grad[1]).all() and not torch.isnan(logits.grad[0]).any()
 
 
+def test_strided_logits_and_targets(device):
+    logits = torch.randn(6, 40, device=device)[::2]  # row stride 80
+    target = torch.randint(0, 40, (6,), device=device)[::2]  # stride 2
+    for reduction in ("mean", "none"):
+        xs = logits.detach().requires_grad_()  # keeps the row stride
+        x = logits.clone().requires_grad_()
+        loss = cross_entropy(xs, target, reduction=reduction)
+        expected = torch.nn.functional.cross_entropy(x, target, reduction=reduction)
+        torch.testing.assert_close(loss, expected)
+        grad_out = torch.ones_like(loss)
+        (g,) = torch.autograd.grad(loss, xs, grad_out)
+        (ge,) = torch.autograd.grad(expected, x, grad_out)
+        torch.testing.assert_close(g, ge)
+
+
 def test_nan_in_gives_nan_out(device):
     logits = torch.randn(2, 16, device=device)
     logits[1, 3] = float("nan")
