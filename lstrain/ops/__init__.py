@@ -1,6 +1,8 @@
 """Fused ops: each a Triton forward/backward pair behind a functional entry."""
 
 from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_ref
+from lstrain.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
+from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
 from lstrain.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
@@ -8,6 +10,10 @@ from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_
 __all__ = [
     "attention_softmax",
     "attention_softmax_ref",
+    "bias_act_dropout",
+    "bias_act_dropout_ref",
+    "bias_dropout_residual",
+    "bias_dropout_residual_ref",
     "cross_entropy",
     "cross_entropy_ref",
     "layer_norm",

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
     "LayerNormFunction",
@@ -208,37 +209,6 @@ def _layer_norm_bwd_kernel(
                     tl.store(bias_partial + start + col, acc + dy, mask=col_ok)
 
 
-@triton.jit
-def _column_sum_kernel(
-    partial_ptr,
-    first_out_ptr,
-    second_out_ptr,
-    programs,
-    cols,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-):
-    """Sum [outputs, programs, cols] fp32 partials over programs; output 1 or 2 on axis 1.
-
-    Narrow column slices give enough programs to fill the GPU; the loop is pipelined so
-    that its few iterations do not wait on each other's loads.
-    """
-    which = tl.program_id(1)
-    col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = col < cols
-    base = partial_ptr + which.to(tl.int64) * programs * cols
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-    for first in tl.range(0, programs, BLOCK_ROWS, num_stages=2):
-        row = first + tl.arange(0, BLOCK_ROWS)
-        mask = (row < programs)[:, None] & col_ok[None, :]
-        acc += tl.load(base + row[:, None] * cols + col[None, :], mask=mask, other=0.0)
-    total = tl.sum(acc, axis=0)
-    if which == 0:
-        tl.store(first_out_ptr + col, total.to(first_out_ptr.dtype.element_ty), mask=col_ok)
-    else:
-        tl.store(second_out_ptr + col, total.to(second_out_ptr.dtype.element_ty), mask=col_ok)
-
-
 @dataclass(frozen=True)
 class LayerNormPlan:
     """Launch settings of a LayerNorm kernel.
@@ -380,10 +350,7 @@ def layer_norm_bwd(
         grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
     if bias_grad:
         grads.append(torch.empty(normalized_shape, dtype=bias_dtype or x.dtype, device=x.device))
-    _column_sum_kernel[(triton.cdiv(cols, 16), outputs)](
-        partials, grads[1], grads[-1], programs, cols,
-        BLOCK_ROWS=256, BLOCK_COLS=16, num_warps=4,
-    )  # fmt: skip
+    sum_partials(partials, grads[1:])
     return grads
 
 

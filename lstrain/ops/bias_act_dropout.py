@@ -1,0 +1,309 @@
+"""y = dropout(act(x + bias)), the middle of an MLP, in one pass each way.
+
+act is one of gelu (erf), gelu_tanh, relu, silu. Forward reads x and bias once and
+writes y; backward reads x, bias and dy once, regenerates the dropout mask from its
+seed, writes dx = dy * mask / (1 - p) * act'(x + bias) and sums dx over rows into dbias
+through per-program fp32 partials (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+from lstrain.ops.dropout import as_rows, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.partial_sums import sum_partials
+
+__all__ = [
+    "ACTIVATIONS",
+    "BiasActDropoutFunction",
+    "bias_act_dropout",
+    "bias_act_dropout_bwd",
+    "bias_act_dropout_fwd",
+    "bias_act_dropout_ref",
+]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
+@triton.jit
+def _activation(z, ACT: tl.constexpr):
+    """(act(z), act'(z)) in fp32; ACT: 0 gelu, 1 gelu_tanh, 2 relu, 3 silu."""
+    if ACT == 0:  # 0.5 z (1 + erf(z / sqrt 2)); slope cdf + z * pdf
+        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+        value = z * cdf
+        slope = cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACT == 1:  # 0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))
+        inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh(inner)
+        value = 0.5 * z * (1.0 + t)
+        slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+    elif ACT == 2:
+        value = tl.maximum(z, 0.0)
+        slope = tl.where(z > 0.0, 1.0, 0.0)
+    else:  # z sigmoid(z)
+        s = tl.sigmoid(z)
+        value = z * s
+        slope = s * (1.0 + z * (1.0 - s))
+    return value, slope
+
+
+@triton.jit
+def _bias_act_dropout_fwd_kernel(
+    x_ptr,
+    bias_ptr,
+    y_ptr,
+    seed_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    p,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    z = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
+    y, _ = _activation(z, ACT)
+    offsets = row[:, None] * cols + col[None, :]
+    if DROPOUT:
+        p = tl.cast(p, tl.float32)
+        y = tl.where(dropout_keep(seed_ptr, offsets, p), y / (1.0 - p), 0.0)
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_act_dropout_bwd_kernel(
+    x_ptr,
+    bias_ptr,
+    dy_ptr,
+    dx_ptr,
+    partial_ptr,
+    seed_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    dy_row_stride,
+    p,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    group = tl.program_id(1)
+    groups = tl.num_programs(1)
+    p = tl.cast(p, tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for first in tl.range(group * BLOCK_ROWS, rows, groups * BLOCK_ROWS, num_stages=NUM_STAGES):
+        row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        z = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += bias
+        offsets = row[:, None] * cols + col[None, :]
+        if DROPOUT:
+            g = tl.where(dropout_keep(seed_ptr, offsets, p), g / (1.0 - p), 0.0)
+        _, slope = _activation(z, ACT)
+        g = tl.where(mask, g * slope, 0.0)
+        tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
+        if BIAS_GRAD:
+            acc += g
+    if BIAS_GRAD:
+        tl.store(partial_ptr + group.to(tl.int64) * cols + col, tl.sum(acc, axis=0), mask=col < cols)
+
+
+def bias_act_dropout_fwd(
+    x: torch.Tensor, bias: torch.Tensor | None, seed: torch.Tensor | None, p: float, dropout: bool, activation: str
+) -> torch.Tensor:
+    """Launch the forward kernel on validated inputs; returns y (contiguous, x's dtype)."""
+    cols = x.shape[-1]
+    x2d = as_rows(x, cols)
+    rows = x2d.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0 or cols == 0:
+        return y
+    plan = elementwise_plan(cols)
+    _bias_act_dropout_fwd_kernel[(triton.cdiv(rows, plan.block_rows), triton.cdiv(cols, plan.block_cols))](
+        x2d, bias, y, seed, rows, cols, x2d.stride(0), p,
+        ACT=ACTIVATIONS.index(activation),
+        HAS_BIAS=bias is not None,
+        DROPOUT=dropout,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    return y
+
+
+def bias_act_dropout_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+    activation: str,
+    bias_grad: bool,
+) -> list[torch.Tensor]:
+    """``[dx]``, plus dbias (bias's dtype) when ``bias_grad``."""
+    cols = x.shape[-1]
+    x2d = as_rows(x, cols)
+    dy2d = as_rows(dy, cols)
+    rows = x2d.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    plan = elementwise_plan(cols)
+    col_blocks = triton.cdiv(cols, plan.block_cols)
+    sms = _backend.multiprocessor_count(_backend.device_index(x))
+    groups = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    partials = torch.empty((1, groups, cols), dtype=torch.float32, device=x.device) if bias_grad else None
+    if cols:
+        _bias_act_dropout_bwd_kernel[(col_blocks, groups)](
+            x2d, bias, dy2d, dx, partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p,
+            ACT=ACTIVATIONS.index(activation),
+            HAS_BIAS=bias is not None,
+            DROPOUT=dropout,
+            BIAS_GRAD=bias_grad,
+            BLOCK_ROWS=plan.block_rows,
+            BLOCK_COLS=plan.block_cols,
+            NUM_STAGES=plan.num_stages,
+            num_warps=plan.num_warps,
+        )  # fmt: skip
+    if not bias_grad:
+        return [dx]
+    dbias = torch.empty(cols, dtype=bias.dtype, device=x.device)
+    sum_partials(partials, [dbias])
+    return [dx, dbias]
+
+
+@torch.library.custom_op("lstrain::bias_act_dropout_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor, bias: torch.Tensor | None, seed: torch.Tensor | None, p: float, dropout: bool, activation: str
+) -> torch.Tensor:
+    return bias_act_dropout_fwd(x, bias, seed, p, dropout, activation)
+
+
+@_fwd_op.register_fake
+def _(x, bias, seed, p, dropout, activation):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lstrain::bias_act_dropout_bwd", mutates_args=())
+def _bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+    activation: str,
+    bias_grad: bool,
+) -> list[torch.Tensor]:
+    return bias_act_dropout_bwd(dy, x, bias, seed, p, dropout, activation, bias_grad)
+
+
+@_bwd_op.register_fake
+def _(dy, x, bias, seed, p, dropout, activation, bias_grad):
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format)]
+    return grads + ([bias.new_empty(bias.shape)] if bias_grad else [])
+
+
+class BiasActDropoutFunction(torch.autograd.Function):
+    """Autograd for :func:`bias_act_dropout`; saves x, bias and the seed."""
+
+    @staticmethod
+    def forward(ctx, x, bias, seed, p, dropout, activation):
+        fwd = _fwd_op if torch.compiler.is_compiling() else bias_act_dropout_fwd
+        y = fwd(x, bias, seed, p, dropout, activation)
+        ctx.save_for_backward(x, bias, seed)
+        ctx.options = (p, dropout, activation)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias, seed = ctx.saved_tensors
+        bias_grad = ctx.needs_input_grad[1]
+        bwd = _bwd_op if torch.compiler.is_compiling() else bias_act_dropout_bwd
+        grads = bwd(dy, x, bias, seed, *ctx.options, bias_grad)
+        return grads[0], (grads[1] if bias_grad else None), None, None, None, None
+
+
+def bias_act_dropout(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    activation: str = "gelu",
+    dropout: float = 0.0,
+    training: bool = True,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dropout(act(x + bias))`` in one kernel each way.
+
+    Args:
+        x: ``[*, H]``, float32/float16/bfloat16 (e.g. an MLP's first projection before its
+            bias); only the last dim needs to be contiguous.
+        bias: optional ``[H]``.
+        activation: ``"gelu"`` (erf), ``"gelu_tanh"``, ``"relu"`` or ``"silu"``.
+        dropout: drop probability in [0, 1); kept elements are scaled by 1 / (1 - p).
+        training: dropout is the identity when False.
+        seed: a 1-element int64 tensor on x's device fixing the mask (see
+            :func:`lstrain.ops.dropout.dropout_mask`); drawn from torch's generator when None.
+
+    Returns:
+        y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
+
+    Raises:
+        ValueError: an unknown activation, wrong dtype, device or shape of ``bias``, or
+            ``dropout`` outside [0, 1).
+    """
+    check_dropout_inputs("bias_act_dropout", x, bias, dropout)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"bias_act_dropout: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    active = training and dropout > 0
+    backend = _backend.backend_for(x)
+    _backend.note("bias_act_dropout", backend)
+    if backend == "reference":  # torch's own dropout stream: lstrain's needs the kernels
+        return bias_act_dropout_ref(x, bias, activation=activation, dropout=dropout if active else 0.0)
+    if active and seed is None:
+        seed = new_seed(x.device)
+    return BiasActDropoutFunction.apply(x, bias, seed if active else None, float(dropout), active, activation)
+
+
+def bias_act_dropout_ref(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    activation: str = "gelu",
+    dropout: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch in fp32. ``mask`` (bool, x's shape) fixes which elements are kept,
+    e.g. :func:`lstrain.ops.dropout.dropout_mask` of the seed an lstrain call used; without
+    it, torch's generator draws one."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = x.to(compute) if bias is None else x.to(compute) + bias.to(compute)
+    act = {
+        "gelu": torch.nn.functional.gelu,
+        "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
+        "relu": torch.relu,
+        "silu": torch.nn.functional.silu,
+    }[activation]
+    y = act(z)
+    if dropout > 0:
+        keep = mask if mask is not None else torch.rand(y.shape, device=y.device) >= dropout
+        y = torch.where(keep, y / (1 - dropout), 0.0)
+    return y.to(x.dtype)

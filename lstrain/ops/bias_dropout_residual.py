@@ -1,0 +1,288 @@
+"""y = dropout(x + bias) + residual, the tail of a Transformer sublayer, in one pass.
+
+Forward reads x, bias and residual once and writes y; the dropout mask comes from a
+Philox seed (see :mod:`lstrain.ops.dropout`) and is regenerated in backward, which reads
+dy once, writes dx = dy * mask / (1 - p), and sums dx over rows into dbias through
+per-program fp32 partials (deterministic). The residual's gradient is dy itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+from lstrain.ops.dropout import as_rows, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.partial_sums import sum_partials
+
+__all__ = [
+    "BiasDropoutResidualFunction",
+    "bias_dropout_residual",
+    "bias_dropout_residual_fwd",
+    "bias_dropout_residual_ref",
+    "dropout_backward",
+    "dropout_bwd",
+]
+
+
+@triton.jit
+def _bias_dropout_residual_fwd_kernel(
+    x_ptr,
+    bias_ptr,
+    residual_ptr,
+    y_ptr,
+    seed_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    residual_row_stride,
+    p,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    v = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
+    offsets = row[:, None] * cols + col[None, :]
+    if DROPOUT:
+        p = tl.cast(p, tl.float32)
+        v = tl.where(dropout_keep(seed_ptr, offsets, p), v / (1.0 - p), 0.0)
+    residual = tl.load(residual_ptr + row[:, None] * residual_row_stride + col[None, :], mask=mask, other=0.0)
+    y = v + residual.to(tl.float32)
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dropout_bwd_kernel(
+    dy_ptr,
+    dx_ptr,
+    partial_ptr,
+    seed_ptr,
+    rows,
+    cols,
+    dy_row_stride,
+    p,
+    DROPOUT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """dx = dy * mask / (1 - p) (written only with dropout) and per-program column sums of dx."""
+    col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    group = tl.program_id(1)
+    groups = tl.num_programs(1)
+    p = tl.cast(p, tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for first in tl.range(group * BLOCK_ROWS, rows, groups * BLOCK_ROWS, num_stages=NUM_STAGES):
+        row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        g = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            offsets = row[:, None] * cols + col[None, :]
+            g = tl.where(dropout_keep(seed_ptr, offsets, p), g / (1.0 - p), 0.0)
+            tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
+        if BIAS_GRAD:
+            acc += g
+    if BIAS_GRAD:
+        tl.store(partial_ptr + group.to(tl.int64) * cols + col, tl.sum(acc, axis=0), mask=col < cols)
+
+
+def dropout_bwd(
+    dy: torch.Tensor,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+    bias_grad: bool,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx, dbias)`` for y = dropout(x + bias) (+ anything): dx = dy * mask / (1 - p),
+    dbias = dx summed over rows (None unless ``bias_grad``); dx is dy itself without dropout."""
+    cols = dy.shape[-1]
+    dy2d = as_rows(dy, cols)
+    rows = dy2d.shape[0]
+    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if dropout else dy
+    if not (dropout or bias_grad):
+        return dx, None
+    plan = elementwise_plan(cols)
+    col_blocks = triton.cdiv(cols, plan.block_cols)
+    sms = _backend.multiprocessor_count(_backend.device_index(dy))
+    groups = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    partials = torch.empty((1, groups, cols), dtype=torch.float32, device=dy.device) if bias_grad else None
+    _dropout_bwd_kernel[(col_blocks, groups)](
+        dy2d, dx, partials, seed, rows, cols, dy2d.stride(0), p,
+        DROPOUT=dropout,
+        BIAS_GRAD=bias_grad,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        NUM_STAGES=plan.num_stages,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    if not bias_grad:
+        return dx, None
+    dbias = torch.empty(cols, dtype=bias_dtype, device=dy.device)
+    sum_partials(partials, [dbias])
+    return dx, dbias
+
+
+def bias_dropout_residual_fwd(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+) -> torch.Tensor:
+    """Launch the forward kernel on validated inputs; returns y (contiguous, x's dtype)."""
+    cols = x.shape[-1]
+    x2d = as_rows(x, cols)
+    residual2d = as_rows(residual, cols)
+    rows = x2d.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0 or cols == 0:
+        return y
+    plan = elementwise_plan(cols)
+    _bias_dropout_residual_fwd_kernel[(triton.cdiv(rows, plan.block_rows), triton.cdiv(cols, plan.block_cols))](
+        x2d, bias, residual2d, y, seed, rows, cols, x2d.stride(0), residual2d.stride(0), p,
+        HAS_BIAS=bias is not None,
+        DROPOUT=dropout,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    return y
+
+
+@torch.library.custom_op("lstrain::bias_dropout_residual_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+) -> torch.Tensor:
+    return bias_dropout_residual_fwd(x, bias, residual, seed, p, dropout)
+
+
+@_fwd_op.register_fake
+def _(x, bias, residual, seed, p, dropout):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lstrain::dropout_bwd", mutates_args=())
+def _dropout_bwd_op(
+    dy: torch.Tensor,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+    bias_grad: bool,
+    bias_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
+    dx, dbias = dropout_bwd(dy, seed, p, dropout, bias_grad, bias_dtype)
+    # A custom op may not return its input: without dropout dx is dy, so copy it there.
+    return [dx if dropout else dx.clone()] + ([dbias] if bias_grad else [])
+
+
+@_dropout_bwd_op.register_fake
+def _(dy, seed, p, dropout, bias_grad, bias_dtype):
+    grads = [torch.empty_like(dy, memory_format=torch.contiguous_format)]
+    return grads + ([dy.new_empty(dy.shape[-1], dtype=bias_dtype)] if bias_grad else [])
+
+
+def dropout_backward(dy, seed, p, dropout, bias_grad, bias_dtype):
+    """:func:`dropout_bwd`, through the custom op under torch.compile."""
+    if not torch.compiler.is_compiling():
+        return dropout_bwd(dy, seed, p, dropout, bias_grad, bias_dtype)
+    grads = _dropout_bwd_op(dy, seed, p, dropout, bias_grad, bias_dtype)
+    return grads[0], grads[1] if bias_grad else None
+
+
+class BiasDropoutResidualFunction(torch.autograd.Function):
+    """Autograd for :func:`bias_dropout_residual`; saves only the seed."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, seed, p, dropout):
+        fwd = _fwd_op if torch.compiler.is_compiling() else bias_dropout_residual_fwd
+        y = fwd(x, bias, residual, seed, p, dropout)
+        ctx.save_for_backward(seed)
+        ctx.p, ctx.dropout = p, dropout
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (seed,) = ctx.saved_tensors
+        bias_grad = ctx.needs_input_grad[1]
+        dx, dbias = dropout_backward(dy, seed, ctx.p, ctx.dropout, bias_grad, ctx.bias_dtype)
+        dresidual = dy if ctx.needs_input_grad[2] else None
+        return (dx if ctx.needs_input_grad[0] else None), dbias, dresidual, None, None, None
+
+
+def bias_dropout_residual(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    *,
+    dropout: float = 0.0,
+    training: bool = True,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dropout(x + bias) + residual`` in one kernel each way.
+
+    Args:
+        x: ``[*, H]``, float32/float16/bfloat16 (e.g. an attention or MLP output before
+            its bias); only the last dim needs to be contiguous.
+        bias: optional ``[H]``.
+        residual: shaped like ``x`` (the sublayer's input).
+        dropout: drop probability in [0, 1); kept elements are scaled by 1 / (1 - p).
+        training: dropout is the identity when False.
+        seed: a 1-element int64 tensor on x's device fixing the mask (see
+            :func:`lstrain.ops.dropout.dropout_mask`); drawn from torch's generator when None.
+
+    Returns:
+        y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
+
+    Raises:
+        ValueError: wrong dtype, device or shape of ``bias`` / ``residual``, or ``dropout``
+            outside [0, 1).
+    """
+    check_dropout_inputs("bias_dropout_residual", x, bias, dropout)
+    if residual.shape != x.shape or residual.device != x.device:
+        raise ValueError(
+            f"bias_dropout_residual: residual must match x: got {tuple(residual.shape)} on {residual.device}, "
+            f"x is {tuple(x.shape)} on {x.device}"
+        )
+    active = training and dropout > 0
+    backend = _backend.backend_for(x)
+    _backend.note("bias_dropout_residual", backend)
+    if backend == "reference":  # torch's own dropout stream: lstrain's needs the kernels
+        return bias_dropout_residual_ref(x, bias, residual, dropout=dropout if active else 0.0)
+    if active and seed is None:
+        seed = new_seed(x.device)
+    return BiasDropoutResidualFunction.apply(x, bias, residual, seed if active else None, float(dropout), active)
+
+
+def bias_dropout_residual_ref(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    *,
+    dropout: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch in fp32. ``mask`` (bool, x's shape) fixes which elements are kept,
+    e.g. :func:`lstrain.ops.dropout.dropout_mask` of the seed an lstrain call used; without
+    it, torch's generator draws one."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    v = x.to(compute) if bias is None else x.to(compute) + bias.to(compute)
+    if dropout > 0:
+        keep = mask if mask is not None else torch.rand(v.shape, device=v.device) >= dropout
+        v = torch.where(keep, v / (1 - dropout), 0.0)
+    return (v + residual.to(compute)).to(x.dtype)

@@ -1,0 +1,103 @@
+"""Dropout masks from Triton's Philox generator: a seed on the device, an element's flat
+index as its counter. Kernels regenerate the mask in backward; it is never stored.
+Also the pieces the fused bias + dropout ops share: their launch plan and input checks.
+
+The seed is drawn from torch's generator of the tensor's device, so a run is
+reproducible under ``torch.manual_seed`` and, on CUDA, every replay of a captured CUDA
+graph draws a fresh seed (PyTorch advances the generator's Philox offset per replay).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ElementwisePlan",
+    "as_rows",
+    "check_dropout_inputs",
+    "dropout_keep",
+    "dropout_mask",
+    "elementwise_plan",
+    "new_seed",
+]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def dropout_keep(seed_ptr, offsets, p):
+    """True where the element with flat index ``offsets`` survives dropout with rate ``p``."""
+    return tl.rand(tl.load(seed_ptr), offsets) >= p
+
+
+@triton.jit
+def _dropout_mask_kernel(seed_ptr, mask_ptr, elements, p, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = dropout_keep(seed_ptr, offsets, tl.cast(p, tl.float32))
+    tl.store(mask_ptr + offsets, keep.to(tl.int8), mask=offsets < elements)
+
+
+def new_seed(device: torch.device | str) -> torch.Tensor:
+    """A fresh seed: a 1-element int64 tensor on ``device``, drawn from torch's generator there."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
+def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """The keep mask (bool, ``shape``) that lstrain's dropout kernels draw from ``seed``.
+
+    Element ``i`` of the contiguous output is kept when uniform(seed, i) >= p; exposed so
+    that tests can compare a fused op with plain PyTorch under the very same mask.
+    """
+    mask = torch.empty(shape, dtype=torch.int8, device=seed.device)
+    elements = mask.numel()
+    if elements:
+        _dropout_mask_kernel[(triton.cdiv(elements, 1024),)](seed, mask, elements, p, BLOCK=1024)
+    return mask.bool()
+
+
+@dataclass(frozen=True)
+class ElementwisePlan:
+    """Tiles of ``block_rows`` x ``block_cols``; backward runs ``programs_per_sm`` column
+    walkers per SM over rows, its loop pipelined ``num_stages`` deep."""
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    programs_per_sm: int = 4
+    num_stages: int = 3
+
+
+@functools.cache
+def elementwise_plan(cols: int) -> ElementwisePlan:
+    """Launch settings for rows of ``cols`` elements (a pure function): 4096-element
+    tiles, 4 warps (16 values per thread), at most 1024 columns wide."""
+    block_cols = min(1024, triton.next_power_of_2(cols))
+    return ElementwisePlan(max(1, 4096 // block_cols), block_cols, num_warps=4)
+
+
+def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """2-D [rows, cols] view of ``t`` (a copy only when the last dim is strided)."""
+    rows = t.reshape(-1, cols)
+    return rows if rows.stride(-1) == 1 or cols == 1 else rows.contiguous()
+
+
+def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: float) -> None:
+    """Checks shared by the bias + dropout ops."""
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least one dim, got a scalar")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{op}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    if bias is not None:
+        if tuple(bias.shape) != (x.shape[-1],):
+            raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({x.shape[-1]},)")
+        if bias.device != x.device:
+            raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
+        if bias.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{op}: bias has dtype {bias.dtype}; expected float32, float16 or bfloat16")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{op}: dropout must be in [0, 1), got {p}")
