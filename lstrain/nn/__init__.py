@@ -1,8 +1,16 @@
 """torch.nn-compatible modules over lstrain.ops (drop-in signatures)."""
 
 from lstrain.nn.attention_softmax import AttentionSoftmax
+from lstrain.nn.bias_dropout import BiasActDropout, BiasDropoutResidual
 from lstrain.nn.cross_entropy import CrossEntropyLoss
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.linear_cross_entropy import LinearCrossEntropyLoss
 
-__all__ = ["AttentionSoftmax", "CrossEntropyLoss", "LayerNorm", "LinearCrossEntropyLoss"]
+__all__ = [
+    "AttentionSoftmax",
+    "BiasActDropout",
+    "BiasDropoutResidual",
+    "CrossEntropyLoss",
+    "LayerNorm",
+    "LinearCrossEntropyLoss",
+]

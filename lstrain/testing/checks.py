@@ -17,6 +17,10 @@ from lstrain import _backend
 from lstrain.ops import (
     attention_softmax,
     attention_softmax_ref,
+    bias_act_dropout,
+    bias_act_dropout_ref,
+    bias_dropout_residual,
+    bias_dropout_residual_ref,
     cross_entropy,
     cross_entropy_ref,
     layer_norm,
@@ -24,9 +28,11 @@ from lstrain.ops import (
     linear_cross_entropy,
     linear_cross_entropy_ref,
 )
+from lstrain.ops.dropout import dropout_mask
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
 from lstrain.testing.strategies import (
     attention_softmax_cases,
+    bias_dropout_cases,
     cross_entropy_cases,
     layer_norm_cases,
     linear_cross_entropy_cases,
@@ -167,9 +173,62 @@ def _run_linear_cross_entropy(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _dropout_inputs(case: dict, device: str):
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape, dtype = case["shape"], case["dtype"]
+    inputs = {"x": _randn(shape, gen, device, dtype)}
+    if case["bias"]:
+        inputs["bias"] = _randn(shape[-1:], gen, device, dtype)
+    seed = torch.tensor([case["seed"]], dtype=torch.int64, device=device)
+    active = case["training"] and case["dropout"] > 0
+    mask = dropout_mask(seed, shape, case["dropout"]) if active else None
+    return gen, inputs, seed, mask, (case["dropout"] if active else 0.0)
+
+
+def _run_bias_dropout_residual(case: dict, device: str) -> CheckResult:
+    gen, inputs, seed, mask, rate = _dropout_inputs(case, device)
+    inputs["residual"] = _randn(case["shape"], gen, device, case["dtype"])
+
+    def ours(**kw):
+        return bias_dropout_residual(
+            kw["x"], kw.get("bias"), kw["residual"], dropout=case["dropout"], training=case["training"], seed=seed
+        )
+
+    def reference(**kw):
+        return bias_dropout_residual_ref(kw["x"], kw.get("bias"), kw["residual"], dropout=rate, mask=mask)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(ours, reference, inputs, atol=_atol(case["dtype"], device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_bias_act_dropout(case: dict, device: str) -> CheckResult:
+    gen, inputs, seed, mask, rate = _dropout_inputs(case, device)
+    activation = case["activation"]
+
+    def ours(**kw):
+        return bias_act_dropout(
+            kw["x"],
+            kw.get("bias"),
+            activation=activation,
+            dropout=case["dropout"],
+            training=case["training"],
+            seed=seed,
+        )
+
+    def reference(**kw):
+        return bias_act_dropout_ref(kw["x"], kw.get("bias"), activation=activation, dropout=rate, mask=mask)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(ours, reference, inputs, atol=_atol(case["dtype"], device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
     "linear_cross_entropy": OpCheck("linear_cross_entropy", linear_cross_entropy_cases, _run_linear_cross_entropy),
+    "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
+    "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
 }

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 __all__ = [
     "FLOAT_DTYPES",
     "attention_softmax_cases",
+    "bias_dropout_cases",
     "cross_entropy_cases",
     "dtypes",
     "layer_norm_cases",
@@ -171,5 +172,22 @@ def linear_cross_entropy_cases(draw, device: str = "cpu", dtype: torch.dtype | N
         "ignored": draw(st.sampled_from([0.0, 0.1, 1.0])),
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
         "z_loss": draw(st.sampled_from([0.0, 1e-3])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def bias_dropout_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A bias + dropout case: [*, H], bias, dropout rate, training flag, activation, seed."""
+    limits = size_limits(device)
+    cols = draw(row_widths(limits["cols"]))
+    leading = draw(st.lists(st.integers(1, 5), min_size=0, max_size=2))
+    return {
+        "shape": (*leading, draw(st.integers(1, limits["rows"])), cols),
+        "dtype": dtype or draw(dtypes()),
+        "bias": draw(st.booleans()),
+        "dropout": draw(st.sampled_from([0.0, 0.1, 0.5, 0.9])),
+        "training": draw(st.booleans()),
+        "activation": draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu"])),
         "seed": draw(seeds()),
     }

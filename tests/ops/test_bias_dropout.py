@@ -1,0 +1,189 @@
+"""bias_dropout_residual and bias_act_dropout (they share the dropout machinery)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given
+
+import lstrain
+from lstrain.ops import bias_act_dropout, bias_act_dropout_ref, bias_dropout_residual, bias_dropout_residual_ref
+from lstrain.ops.dropout import dropout_mask, elementwise_plan
+from lstrain.testing import assert_all_passed
+from lstrain.testing.checks import OP_CHECKS
+from lstrain.testing.strategies import bias_dropout_cases
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+
+def _case(shape=(3, 40), dtype=torch.float32, bias=True, dropout=0.1, training=True, activation="gelu", seed=0):
+    return {
+        "shape": shape,
+        "dtype": dtype,
+        "bias": bias,
+        "dropout": dropout,
+        "training": training,
+        "activation": activation,
+        "seed": seed,
+    }
+
+
+@pytest.mark.parametrize("op", ["bias_dropout_residual", "bias_act_dropout"])
+@given(case=bias_dropout_cases(DEVICE))
+@example(case=_case(shape=(1, 1)))
+@example(case=_case(shape=(2, 3, 1025), dtype=torch.bfloat16, dropout=0.5))  # two column blocks
+@example(case=_case(dtype=torch.float16, bias=False, training=False, activation="gelu_tanh"))
+@example(case=_case(shape=(70, 33), dropout=0.9, activation="silu"))
+@example(case=_case(dropout=0.0, activation="relu"))
+def test_matches_torch_under_the_same_mask(op, case):
+    result = OP_CHECKS[op].run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_keep_rate_is_binomially_right(device, p):
+    n = 200_000
+    seed = torch.tensor([7], dtype=torch.int64, device=device)
+    kept = dropout_mask(seed, (n,), p).sum().item()
+    mean, std = n * (1 - p), math.sqrt(n * p * (1 - p))
+    assert abs(kept - mean) < 5 * std, (kept, mean, std)
+
+
+def test_reproducible_under_manual_seed(device):
+    x = torch.randn(16, 64, device=device)
+    residual = torch.randn_like(x)
+    torch.manual_seed(3)
+    a = bias_dropout_residual(x, None, residual, dropout=0.3)
+    torch.manual_seed(3)
+    b = bias_dropout_residual(x, None, residual, dropout=0.3)
+    c = bias_dropout_residual(x, None, residual, dropout=0.3)
+    assert torch.equal(a, b) and not torch.equal(b, c)
+
+
+def test_eval_mode_and_zero_rate_are_plain_adds(device):
+    x, residual = torch.randn(4, 10, device=device), torch.randn(4, 10, device=device)
+    bias = torch.randn(10, device=device)
+    expected = x + bias + residual
+    torch.testing.assert_close(bias_dropout_residual(x, bias, residual, dropout=0.5, training=False), expected)
+    torch.testing.assert_close(bias_dropout_residual(x, bias, residual, dropout=0.0), expected)
+    y = bias_act_dropout(x, bias, activation="relu", dropout=0.5, training=False)
+    torch.testing.assert_close(y, torch.relu(x + bias))
+
+
+def test_backward_regenerates_the_forward_mask(device):
+    x = torch.randn(8, 50, device=device, requires_grad=True)
+    seed = torch.tensor([11], dtype=torch.int64, device=device)
+    y = bias_dropout_residual(x, None, torch.zeros_like(x), dropout=0.4, seed=seed)
+    y.backward(torch.ones_like(y))
+    dropped = y == 0
+    assert torch.equal(x.grad == 0, dropped)
+    torch.testing.assert_close(x.grad[~dropped], torch.full_like(x.grad[~dropped], 1 / 0.6))
+
+
+def test_residual_gradient_is_dy(device):
+    x = torch.randn(3, 20, device=device, requires_grad=True)
+    residual = torch.randn(3, 20, device=device, requires_grad=True)
+    dy = torch.randn(3, 20, device=device)
+    bias_dropout_residual(x, None, residual, dropout=0.2).backward(dy)
+    assert torch.equal(residual.grad, dy)
+
+
+def test_bias_gradients_are_deterministic(device):
+    x = torch.randn(300, 130, device=device, requires_grad=True)
+    bias = torch.randn(130, device=device, requires_grad=True)
+    seed = torch.tensor([5], dtype=torch.int64, device=device)
+    dy = torch.randn(300, 130, device=device)
+    grads = [
+        torch.autograd.grad(bias_act_dropout(x, bias, activation="silu", dropout=0.1, seed=seed), bias, dy)[0]
+        for _ in range(3)
+    ]
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x: bias_dropout_residual(x, torch.zeros(7), x), "bias has shape \\(7,\\), expected \\(8,\\)"),
+        (lambda x: bias_dropout_residual(x, None, x[:, :4]), "residual must match x"),
+        (lambda x: bias_dropout_residual(x, None, x, dropout=1.0), "dropout must be in \\[0, 1\\), got 1.0"),
+        (lambda x: bias_act_dropout(x.long(), None), "x has dtype torch.int64"),
+        (lambda x: bias_act_dropout(x, None, activation="tanh"), "activation must be one of"),
+        (lambda x: bias_act_dropout(x, torch.zeros(8, device="meta")), "bias is on meta"),
+        (lambda x: lstrain.nn.BiasActDropout(8, dropout=-0.1), "dropout must be in"),
+    ],
+)
+def test_bad_input_names_the_argument(device, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(torch.randn(2, 8, device=device))
+
+
+def test_launch_plan():
+    assert elementwise_plan(4096).block_cols == 1024 and elementwise_plan(4096).block_rows == 4
+    assert elementwise_plan(10).block_cols == 16
+    for cols in (1, 3, 1000, 11008):
+        plan = elementwise_plan(cols)
+        assert plan.block_rows * plan.block_cols <= 4096 and plan.num_warps == 4
+
+
+def test_modules(device):
+    torch.manual_seed(0)
+    tail = lstrain.nn.BiasDropoutResidual(12, dropout=0.5, device=device)
+    mlp = lstrain.nn.BiasActDropout(12, "gelu_tanh", dropout=0.5, device=device)
+    assert set(dict(tail.named_parameters())) == {"bias"}
+    x, residual = torch.randn(2, 12, device=device), torch.randn(2, 12, device=device)
+    tail.eval()
+    mlp.eval()
+    torch.testing.assert_close(tail(x, residual), x + residual)
+    torch.testing.assert_close(mlp(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert "activation='gelu_tanh'" in repr(mlp)
+
+
+def test_torch_compile_fullgraph(device):
+    bias = torch.randn(32, device=device, requires_grad=True)
+    seed = torch.tensor([1], dtype=torch.int64, device=device)
+
+    def f(x, residual):
+        h = bias_act_dropout(x, bias, activation="gelu", dropout=0.1, seed=seed)
+        return bias_dropout_residual(h, bias, residual, dropout=0.1, seed=seed).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x, residual = torch.randn(4, 32, device=device), torch.randn(4, 32, device=device)
+    out = compiled(x, residual)
+    (grad,) = torch.autograd.grad(out, bias)
+    ref_out = f(x, residual)
+    (ref_grad,) = torch.autograd.grad(ref_out, bias)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_custom_ops_pass_opcheck(device):
+    x, residual = torch.randn(5, 24, device=device), torch.randn(5, 24, device=device)
+    bias = torch.randn(24, device=device)
+    seed = torch.tensor([2], dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.lstrain.bias_dropout_residual_fwd, (x, bias, residual, seed, 0.1, True))
+    torch.library.opcheck(torch.ops.lstrain.dropout_bwd, (x, seed, 0.1, True, True, torch.float32))
+    torch.library.opcheck(torch.ops.lstrain.bias_act_dropout_fwd, (x, bias, seed, 0.1, True, "silu"))
+    torch.library.opcheck(torch.ops.lstrain.bias_act_dropout_bwd, (residual, x, bias, seed, 0.1, True, "silu", True))
+
+
+def test_references_without_a_mask_draw_their_own(device):
+    x = torch.randn(1000, device=device)
+    y = bias_act_dropout_ref(x, None, activation="relu", dropout=0.5)
+    assert 0.3 < (y == 0).float().mean().item() < 0.9
+    assert bias_dropout_residual_ref(x, None, x, dropout=0.5).shape == x.shape
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_draw_fresh_masks():
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    residual = torch.zeros_like(x)
+    for _ in range(2):
+        bias_dropout_residual(x, None, residual, dropout=0.5).sum().backward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bias_dropout_residual(x, None, residual, dropout=0.5)
+    graph.replay()
+    first = y.clone()
+    graph.replay()
+    assert not torch.equal(first, y)
+    assert abs((y == 0).float().mean().item() - 0.5) < 0.05
