@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lstrain.ops import attention_softmax, cross_entropy, layer_norm, linear_cross_entropy
+from lstrain.ops import attention_softmax, bias_dropout_residual, cross_entropy, layer_norm, linear_cross_entropy
 
 
 @dataclass
@@ -25,6 +25,7 @@ class BenchCase:
     min_bytes: int
     target_ms: float | None = None
     flops: int = 0
+    same_outputs: bool = True  # False where implementations draw different dropout masks
 
 
 def _liger_layer_norm():
@@ -162,9 +163,38 @@ def linear_cross_entropy_cases(dtype: torch.dtype = torch.bfloat16) -> list[Benc
     return [case]
 
 
+def bias_dropout_residual_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    rows, cols = 16384, 4096
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        bias = torch.randn(cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        residual = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        return {"x": x, "bias": bias, "residual": residual}
+
+    def eager(x, bias, residual):
+        return torch.nn.functional.dropout(x + bias, 0.1) + residual
+
+    impls = {
+        "lstrain": lambda x, bias, residual: bias_dropout_residual(x, bias, residual, dropout=0.1),
+        "eager": eager,
+        "torch.compile": eager,
+    }
+    element = torch.finfo(dtype).bits // 8
+    # forward reads x and residual, writes y; backward reads dy, writes dx (dresidual is dy)
+    min_bytes = 5 * rows * cols * element
+    label = f"{rows} x {cols}, dropout 0.1"
+    case = BenchCase(
+        "bias_dropout_residual", label, make, ["x", "bias", "residual"], impls, min_bytes, 0.21, same_outputs=False
+    )
+    return [case]
+
+
 REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "attention_softmax": attention_softmax_cases,
+    "bias_dropout_residual": bias_dropout_residual_cases,
     "cross_entropy": cross_entropy_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
 }
