@@ -3,6 +3,7 @@
 from lstrain.nn.attention_softmax import AttentionSoftmax
 from lstrain.nn.bias_dropout import BiasActDropout, BiasDropoutResidual
 from lstrain.nn.cross_entropy import CrossEntropyLoss
+from lstrain.nn.embedding import TransformerEmbedding, sinusoidal_positions
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.linear_cross_entropy import LinearCrossEntropyLoss
 
@@ -13,4 +14,6 @@ __all__ = [
     "CrossEntropyLoss",
     "LayerNorm",
     "LinearCrossEntropyLoss",
+    "TransformerEmbedding",
+    "sinusoidal_positions",
 ]

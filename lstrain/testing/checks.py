@@ -23,6 +23,8 @@ from lstrain.ops import (
     bias_dropout_residual_ref,
     cross_entropy,
     cross_entropy_ref,
+    embedding,
+    embedding_ref,
     layer_norm,
     layer_norm_ref,
     linear_cross_entropy,
@@ -34,6 +36,7 @@ from lstrain.testing.strategies import (
     attention_softmax_cases,
     bias_dropout_cases,
     cross_entropy_cases,
+    embedding_cases,
     layer_norm_cases,
     linear_cross_entropy_cases,
 )
@@ -58,7 +61,9 @@ class OpCheck:
     def describe(self, case: dict) -> str:
         if "shape" in case:
             return "x".join(str(n) for n in case["shape"])
-        return f"{case['tokens']}x{case['hidden']}x{case['vocab']}"
+        if "hidden" in case:
+            return f"{case['tokens']}x{case['hidden']}x{case['vocab']}"
+        return "x".join(str(n) for n in case["tokens"]) + f"x{case['dim']}"
 
 
 def _atol(dtype: torch.dtype, device: str) -> float:
@@ -224,6 +229,38 @@ def _run_bias_act_dropout(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_embedding(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, vocab, dim = case["dtype"], case["vocab"], case["dim"]
+    tokens = torch.randint(0, vocab, case["tokens"], generator=gen).to(device)
+    padding_idx = int(tokens.view(-1)[0]) if case["padding"] else None
+    inputs = {"weight": _randn((vocab, dim), gen, device, dtype)}
+    positions = None
+    if case["positions"] is not None:
+        inputs["pos_weight"] = _randn((case["max_positions"], dim), gen, device, dtype)
+    if case["positions"] == "explicit":
+        positions = torch.randint(0, case["max_positions"], case["tokens"], generator=gen).to(device)
+    seed = torch.tensor([case["seed"]], dtype=torch.int64, device=device)
+    options = {"positions": positions, "scale": case["scale"], "padding_idx": padding_idx}
+    out_shape = (*case["tokens"], dim)
+    mask = dropout_mask(seed, out_shape, case["dropout"]) if case["dropout"] > 0 else None
+
+    def ours(**kw):
+        return embedding(
+            tokens, kw["weight"], pos_weight=kw.get("pos_weight"), dropout=case["dropout"],
+            deterministic=case["deterministic"], seed=seed, **options,
+        )  # fmt: skip
+
+    def reference(**kw):
+        return embedding_ref(
+            tokens, kw["weight"], pos_weight=kw.get("pos_weight"), dropout=case["dropout"], mask=mask, **options
+        )
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(ours, reference, inputs, atol=_atol(dtype, device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
@@ -231,4 +268,5 @@ OP_CHECKS: dict[str, OpCheck] = {
     "linear_cross_entropy": OpCheck("linear_cross_entropy", linear_cross_entropy_cases, _run_linear_cross_entropy),
     "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
     "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
+    "embedding": OpCheck("embedding", embedding_cases, _run_embedding),
 }

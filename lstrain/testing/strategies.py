@@ -17,6 +17,7 @@ __all__ = [
     "bias_dropout_cases",
     "cross_entropy_cases",
     "dtypes",
+    "embedding_cases",
     "layer_norm_cases",
     "linear_cross_entropy_cases",
     "register_profiles",
@@ -189,5 +190,25 @@ def bias_dropout_cases(draw, device: str = "cpu", dtype: torch.dtype | None = No
         "dropout": draw(st.sampled_from([0.0, 0.1, 0.5, 0.9])),
         "training": draw(st.booleans()),
         "activation": draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu"])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def embedding_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """An embedding case: token shape, table sizes, positions, scale, dropout, padding, mode."""
+    small = device == "cpu"
+    seq = draw(st.integers(1, 20 if small else 512))
+    return {
+        "tokens": (draw(st.integers(1, 4 if small else 16)), seq),
+        "vocab": draw(st.integers(1, 60 if small else 50257)),
+        "dim": draw(row_widths(300 if small else 2048)),
+        "max_positions": seq + draw(st.integers(0, 5)),
+        "dtype": dtype or draw(dtypes()),
+        "positions": draw(st.sampled_from([None, "learned", "explicit"])),
+        "scale": draw(st.sampled_from([1.0, 2.0, 0.5])),
+        "dropout": draw(st.sampled_from([0.0, 0.1, 0.5])),
+        "padding": draw(st.booleans()),
+        "deterministic": draw(st.booleans()),
         "seed": draw(seeds()),
     }

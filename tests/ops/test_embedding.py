@@ -1,0 +1,165 @@
+import math
+
+import pytest
+import torch
+from hypothesis import example, given
+
+import lstrain
+from lstrain.ops import embedding, embedding_ref
+from lstrain.testing import assert_all_passed
+from lstrain.testing.checks import OP_CHECKS
+from lstrain.testing.strategies import embedding_cases
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+CHECK = OP_CHECKS["embedding"]
+
+
+def _case(tokens=(2, 5), vocab=11, dim=16, positions="learned", dropout=0.0, padding=False, deterministic=False):
+    return {
+        "tokens": tokens,
+        "vocab": vocab,
+        "dim": dim,
+        "max_positions": tokens[-1] + 2,
+        "dtype": torch.float32,
+        "positions": positions,
+        "scale": 2.0,
+        "dropout": dropout,
+        "padding": padding,
+        "deterministic": deterministic,
+        "seed": 0,
+    }
+
+
+@given(case=embedding_cases(DEVICE))
+@example(case=_case(tokens=(1, 1), vocab=1, dim=1))
+@example(case=_case(dim=1025, dropout=0.1, padding=True))  # two column blocks
+@example(case=_case(positions="explicit", deterministic=True, dropout=0.5))
+@example(case=_case(tokens=(4, 20), vocab=3, positions=None, deterministic=True))  # long runs of equal ids
+def test_matches_torch(case):
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+def test_deterministic_backward_is_bitwise_reproducible(device):
+    torch.manual_seed(0)
+    batch, seq, vocab, dim = (8, 512, 50, 256) if device == "cuda" else (4, 16, 6, 24)
+    tokens = torch.randint(0, vocab, (batch, seq), device=device)  # many repeated ids
+    weight = torch.randn(vocab, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    pos_weight = torch.randn(seq, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    seed = torch.tensor([9], dtype=torch.int64, device=device)
+    dy = torch.randn(batch, seq, dim, device=device, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(10):
+        y = embedding(tokens, weight, pos_weight=pos_weight, scale=3.0, dropout=0.1, deterministic=True, seed=seed)
+        runs.append(torch.autograd.grad(y, (weight, pos_weight), dy))
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], grads, strict=True))
+    atomic = torch.autograd.grad(
+        embedding(tokens, weight, pos_weight=pos_weight, scale=3.0, dropout=0.1, deterministic=False, seed=seed),
+        (weight, pos_weight),
+        dy,
+    )
+    for a, b in zip(runs[0], atomic, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_deterministic_mode_follows_torch(device):
+    tokens = torch.tensor([[1, 1, 2]], device=device)
+    weight = torch.randn(4, 8, device=device, requires_grad=True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        (a,) = torch.autograd.grad(embedding(tokens, weight).sum(), weight)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    expected = torch.zeros(4, 8, device=device)
+    expected[1] = 2
+    expected[2] = 1
+    assert torch.equal(a, expected)
+
+
+def test_padding_rows_are_zero_and_get_no_gradient(device):
+    tokens = torch.tensor([[0, 5, 0, 2]], device=device)
+    weight = torch.randn(6, 4, device=device, requires_grad=True)
+    pos_weight = torch.randn(4, 4, device=device, requires_grad=True)
+    y = embedding(tokens, weight, pos_weight=pos_weight, padding_idx=0)
+    assert torch.equal(y[0, 0], torch.zeros(4, device=device)) and torch.equal(y[0, 2], torch.zeros(4, device=device))
+    y.sum().backward()
+    assert torch.equal(weight.grad[0], torch.zeros(4, device=device))
+    assert torch.equal(pos_weight.grad[0], torch.zeros(4, device=device))  # position 0 only held padding
+    assert torch.equal(pos_weight.grad[1], torch.ones(4, device=device))
+
+
+def test_unchecked_bad_ids_give_nan_rows(device):
+    tokens = torch.tensor([[1, 9, 2]], device=device)
+    weight = torch.randn(5, 3, device=device)
+    y = embedding(tokens, weight, check_ids=False)
+    assert torch.isnan(y[0, 1]).all() and not torch.isnan(y[0, 0]).any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tokens=torch.tensor([[0, 7]])), "token id 7 at \\(0, 1\\) is outside \\[0, 5\\)"),
+        (dict(tokens=torch.tensor([[0, -1]])), "token id -1"),
+        (dict(tokens=torch.tensor([[0.0, 1.0]])), "tokens must be int64 or int32"),
+        (dict(weight=torch.randn(5)), "weight must be a \\[V, D\\] float table"),
+        (dict(pos_weight=torch.randn(4, 2)), "pos_weight must be"),
+        (dict(pos_weight=torch.randn(1, 3)), "seq_len 2 exceeds max_positions 1"),
+        (dict(pos_weight=torch.randn(4, 3), positions=torch.tensor([[0, 4]])), "position 4 at \\(0, 1\\)"),
+        (dict(positions=torch.tensor([[0, 1]])), "positions need pos_weight"),
+        (dict(dropout=1.5), "dropout must be in \\[0, 1\\)"),
+        (dict(pos_weight=torch.randn(4, 3, device="meta")), "pos_weight is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(device, kwargs, match):
+    tokens = kwargs.pop("tokens", torch.tensor([[0, 1]])).to(device)
+    weight = kwargs.pop("weight", torch.randn(5, 3)).to(device)
+    kwargs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kwargs.items()
+    }
+    with pytest.raises(ValueError, match=match):
+        embedding(tokens, weight, check_ids=True, **kwargs)
+
+
+def test_transformer_embedding_module(device):
+    module = lstrain.nn.TransformerEmbedding(30, 16, max_positions=12, padding_idx=0, device=device)
+    assert module.scale == pytest.approx(4.0) and torch.equal(module.weight[0], torch.zeros(16, device=device))
+    tokens = torch.randint(1, 30, (2, 12), device=device)
+    y = module(tokens)
+    expected = embedding_ref(tokens, module.weight, pos_weight=module.position_weight, scale=4.0, padding_idx=0)
+    torch.testing.assert_close(y, expected)
+    fixed = lstrain.nn.TransformerEmbedding(30, 16, 12, scale=1.0, learned_positions=False, device=device)
+    assert "position_weight" in dict(fixed.named_buffers()) and len(list(fixed.parameters())) == 1
+    table = lstrain.nn.sinusoidal_positions(12, 16)
+    assert table[3, 0].item() == pytest.approx(math.sin(3)) and table[3, 1].item() == pytest.approx(math.cos(3))
+
+
+def test_torch_compile_fullgraph(device):
+    weight = torch.randn(20, 8, device=device, requires_grad=True)
+    pos_weight = torch.randn(6, 8, device=device, requires_grad=True)
+
+    def f(tokens):
+        return embedding(tokens, weight, pos_weight=pos_weight, scale=2.0).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    tokens = torch.randint(0, 20, (3, 6), device=device)
+    out = compiled(tokens)
+    grads = torch.autograd.grad(out, (weight, pos_weight))
+    ref_out = f(tokens)
+    ref_grads = torch.autograd.grad(ref_out, (weight, pos_weight))
+    torch.testing.assert_close(out, ref_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_custom_ops_pass_opcheck(device):
+    tokens = torch.randint(0, 10, (2, 5), device=device)
+    weight = torch.randn(10, 8, device=device)
+    pos_weight = torch.randn(5, 8, device=device)
+    seed = torch.tensor([3], dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.lstrain.embedding_fwd, (tokens, weight, pos_weight, None, 2.0, 1, seed, 0.1))
+    dy = torch.randn(2, 5, 8, device=device)
+    args = (dy, tokens, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1, True, True)
+    torch.library.opcheck(torch.ops.lstrain.embedding_bwd, args)
