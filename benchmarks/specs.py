@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lstrain.ops import attention_softmax, bias_dropout_residual, cross_entropy, layer_norm, linear_cross_entropy
+from lstrain.ops import (
+    attention_softmax,
+    bias_dropout_residual,
+    cross_entropy,
+    embedding,
+    layer_norm,
+    linear_cross_entropy,
+)
 
 
 @dataclass
@@ -191,10 +198,45 @@ def bias_dropout_residual_cases(dtype: torch.dtype = torch.bfloat16) -> list[Ben
     return [case]
 
 
+def embedding_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    vocab, dim, batch, seq = 50257, 1024, 8, 2048
+    scale = dim**0.5
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        tokens = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+        weight = (torch.randn(vocab, dim, device="cuda", dtype=dtype, generator=gen) * 0.02).requires_grad_()
+        pos_weight = (torch.randn(seq, dim, device="cuda", dtype=dtype, generator=gen) * 0.02).requires_grad_()
+        return {"tokens": tokens, "weight": weight, "pos_weight": pos_weight}
+
+    def eager(tokens, weight, pos_weight):
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        return torch.nn.functional.dropout(
+            torch.nn.functional.embedding(tokens, weight) * scale
+            + torch.nn.functional.embedding(positions, pos_weight),
+            0.1,
+        )
+
+    def ours(deterministic):
+        return lambda tokens, weight, pos_weight: embedding(
+            tokens, weight, pos_weight=pos_weight, scale=scale, dropout=0.1, deterministic=deterministic
+        )
+
+    impls = {"lstrain": ours(False), "lstrain deterministic": ours(True), "eager": eager, "torch.compile": eager}
+    element = torch.finfo(dtype).bits // 8
+    tokens = batch * seq
+    # forward reads the used rows and writes y; backward reads dy and writes both tables' gradients
+    min_bytes = (3 * tokens * dim + vocab * dim + seq * dim) * element
+    label = f"V {vocab}, D {dim}, {batch} x {seq} tokens, dropout 0.1"
+    case = BenchCase("embedding", label, make, ["weight", "pos_weight"], impls, min_bytes, 0.15, same_outputs=False)
+    return [case]
+
+
 REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
     "cross_entropy": cross_entropy_cases,
+    "embedding": embedding_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
 }
