@@ -26,7 +26,6 @@ from lstrain.ops.dropout import dropout_keep, new_seed
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_BLOCK_TOKENS = 16
 
 
 @triton.jit
@@ -161,8 +160,10 @@ def _segment_sum_kernel(
         tl.store(table_ptr + row * dim + col, acc.to(table_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _dim_block(dim: int) -> int:
-    return min(1024, triton.next_power_of_2(dim))
+def _tile(dim: int) -> tuple[int, int]:
+    """(tokens, columns) per program: 4096-element tiles, 32 values per thread at 4 warps."""
+    block_dim = min(1024, triton.next_power_of_2(dim))
+    return max(1, 4096 // block_dim), block_dim
 
 
 def embedding_fwd(
@@ -182,16 +183,16 @@ def embedding_fwd(
     tokens = flat.numel()
     if tokens == 0 or dim == 0:
         return y
-    block_dim = _dim_block(dim)
+    block_tokens, block_dim = _tile(dim)
     flat_positions = None if positions is None else positions.reshape(-1).contiguous()
-    _embedding_fwd_kernel[(triton.cdiv(tokens, _BLOCK_TOKENS), triton.cdiv(dim, block_dim))](
+    _embedding_fwd_kernel[(triton.cdiv(tokens, block_tokens), triton.cdiv(dim, block_dim))](
         flat, flat_positions, weight, pos_weight, y, seed,
         tokens, dim, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0],
         ids.shape[-1], padding_idx, scale, p,
         HAS_POS=pos_weight is not None,
         EXPLICIT_POSITIONS=positions is not None,
         DROPOUT=seed is not None,
-        BLOCK_TOKENS=_BLOCK_TOKENS,
+        BLOCK_TOKENS=block_tokens,
         BLOCK_DIM=block_dim,
         num_warps=4,
     )  # fmt: skip
@@ -201,7 +202,7 @@ def embedding_fwd(
 def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, deterministic):
     """Gradient of a [rows, D] table looked up at ``ids`` (None: at token index % seq_len)."""
     tokens, dim = dy.shape
-    block_dim = _dim_block(dim)
+    block_tokens, block_dim = _tile(dim)
     if deterministic:
         if ids is None:
             ids = torch.arange(tokens, device=dy.device) % seq_len
@@ -215,11 +216,11 @@ def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, 
         return table
     table = torch.zeros((rows, dim), dtype=torch.float32, device=dy.device)
     if tokens:
-        _scatter_add_kernel[(triton.cdiv(tokens, _BLOCK_TOKENS), triton.cdiv(dim, block_dim))](
+        _scatter_add_kernel[(triton.cdiv(tokens, block_tokens), triton.cdiv(dim, block_dim))](
             dy, ids, table, seed, tokens, dim, rows, seq_len, padding_idx, scale, p,
             POSITIONS_FROM_INDEX=ids is None,
             DROPOUT=seed is not None,
-            BLOCK_TOKENS=_BLOCK_TOKENS,
+            BLOCK_TOKENS=block_tokens,
             BLOCK_DIM=block_dim,
             num_warps=4,
         )  # fmt: skip
