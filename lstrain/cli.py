@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 __all__ = ["main"]
@@ -70,6 +71,8 @@ def _check(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
+        # numpy's float warnings from the interpreter (e.g. -inf - -inf in masked lanes)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     from lstrain import _backend
     from lstrain.testing.checks import OP_CHECKS
     from lstrain.testing.strategies import FLOAT_DTYPES
