@@ -1,13 +1,14 @@
 """lstrain: fused Triton kernels for training GPT- and BERT-style Transformers.
 
 ``lstrain.ops`` holds the functional ops, ``lstrain.nn`` drop-in modules,
-``lstrain.testing`` the property checks. Submodules load on first use, so that
-``lstrain.cli`` can switch Triton's interpreter on before any kernel is defined.
+``lstrain.optim`` the flat-buffer optimizers, ``lstrain.testing`` the property checks.
+Submodules load on first use, so that ``lstrain.cli`` can switch Triton's interpreter
+on before any kernel is defined.
 """
 
 import importlib
 
-__all__ = ["nn", "ops", "testing"]
+__all__ = ["nn", "ops", "optim", "testing"]
 __version__ = "0.1.0"
 
 
