@@ -2,5 +2,6 @@
 
 from lstrain.optim.adamw import FusedAdamW
 from lstrain.optim.flat import FlatParameters
+from lstrain.optim.scaler import LossScaler
 
-__all__ = ["FlatParameters", "FusedAdamW"]
+__all__ = ["FlatParameters", "FusedAdamW", "LossScaler"]

@@ -32,11 +32,13 @@ def _adamw_kernel(
     block_group_ptr,
     hyper_ptr,
     step_ptr,
-    clip_ptr,
+    grad_factor_ptr,
+    skip_ptr,
     groups,
     HAS_MASTER: tl.constexpr,
     DECOUPLED: tl.constexpr,
-    HAS_CLIP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
+    CAN_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -50,8 +52,13 @@ def _adamw_kernel(
     step = tl.load(step_ptr).to(tl.float32)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g = tl.load(grad_ptr + offsets).to(tl.float32)
-    if HAS_CLIP:
-        g *= tl.load(clip_ptr)
+    if HAS_FACTOR:  # loss-scale inverse times the clip factor
+        g *= tl.load(grad_factor_ptr)
+    # An overflowing step writes nothing: parameters and moments stay as they are.
+    skipped = tl.zeros([BLOCK], dtype=tl.float32)
+    if CAN_SKIP:
+        skipped += tl.load(skip_ptr)
+    write = skipped == 0.0
     if HAS_MASTER:
         w = tl.load(master_ptr + offsets)
     else:
@@ -68,11 +75,11 @@ def _adamw_kernel(
     bias_correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
     denom = tl.sqrt(v) / tl.sqrt(bias_correction2) + eps
     w = w - (lr / bias_correction1) * (m / denom)
-    tl.store(exp_avg_ptr + offsets, m)
-    tl.store(exp_avg_sq_ptr + offsets, v)
+    tl.store(exp_avg_ptr + offsets, m, mask=write)
+    tl.store(exp_avg_sq_ptr + offsets, v, mask=write)
     if HAS_MASTER:
-        tl.store(master_ptr + offsets, w)
-    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty))
+        tl.store(master_ptr + offsets, w, mask=write)
+    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
 
 
 _HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -117,6 +124,7 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"FusedAdamW: max_grad_norm must be > 0, got {max_grad_norm}")
         self.max_grad_norm = max_grad_norm
         self.decoupled = decoupled
+        self.found_inf: torch.Tensor | None = None  # of the last step, when it was loss-scaled
         self.flat = FlatParameters([group["params"] for group in self.param_groups])
         device = self.flat.device
         self._step = torch.zeros((), dtype=torch.float32, device=device)
@@ -160,24 +168,51 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError("FusedAdamW.zero_grad: set_to_none=True would detach .grad from the flat buffers")
         self.flat.zero_grad()
 
-    def clip_factor(self) -> torch.Tensor | None:
-        """min(1, max_grad_norm / (norm + 1e-6)) as a device scalar, or None without clipping."""
-        if self.max_grad_norm is None:
-            return None
-        norms = torch.stack([torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in self.flat.buffers])
-        total = torch.linalg.vector_norm(norms)
-        return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of all (possibly loss-scaled) gradients, fp32, on the device."""
+        norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in self.flat.buffers]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def _grad_factor(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(factor the kernel multiplies gradients by, overflow flag), both device scalars or None.
+
+        One reduction serves both: the norm is not finite exactly when some gradient is not.
+        """
+        if self.max_grad_norm is None and inv_scale is None:
+            return None, None
+        norm = self.grad_norm()
+        found_inf = (~torch.isfinite(norm)).to(torch.float32) if inv_scale is not None else None
+        factor = inv_scale
+        if self.max_grad_norm is not None:
+            unscaled = norm if inv_scale is None else norm * inv_scale
+            clip = torch.clamp(self.max_grad_norm / (unscaled + 1e-6), max=1.0)
+            factor = clip if factor is None else factor * clip
+        return factor, found_inf
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter: one kernel launch per parameter dtype."""
+    def step(self, closure=None, *, inv_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One update of every parameter: one kernel launch per parameter dtype.
+
+        Args:
+            closure: re-evaluates the loss, as for torch optimizers.
+            inv_scale: 1 / loss scale (a device scalar) when the gradients are loss-scaled;
+                then a step whose gradients hold an inf or NaN changes nothing. Normally
+                passed by :class:`lstrain.optim.LossScaler`.
+
+        Returns:
+            The closure's loss, if any.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
-        clip = self.clip_factor()
-        self._step += 1
+        factor, found_inf = self._grad_factor(inv_scale)
+        self.found_inf = found_inf
+        if found_inf is None:
+            self._step += 1
+        else:
+            self._step += 1.0 - found_inf
         groups = len(self.param_groups)
         for buffer, master, exp_avg, exp_avg_sq in zip(
             self.flat.buffers, self._masters, self._exp_avg, self._exp_avg_sq, strict=True
@@ -187,10 +222,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 continue
             _adamw_kernel[(blocks,)](
                 buffer.data, buffer.grad, master, exp_avg, exp_avg_sq, buffer.block_group,
-                self._hyper, self._step, clip, groups,
+                self._hyper, self._step, factor, found_inf, groups,
                 HAS_MASTER=master is not None,
                 DECOUPLED=self.decoupled,
-                HAS_CLIP=clip is not None,
+                HAS_FACTOR=factor is not None,
+                CAN_SKIP=found_inf is not None,
                 BLOCK=BLOCK,
                 num_warps=4,
             )  # fmt: skip

@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from lstrain.optim import FusedAdamW, LossScaler
+from tests.conftest import DEVICE
+
+
+def _make():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, device=DEVICE)) for s in ((8, 4), (8,), (3, 8))]
+
+
+def _backward(params, x, poison):
+    loss = (x @ params[0].t() + params[1]).tanh() @ params[2].t()
+    loss = loss.square().mean()
+    if poison:
+        loss = loss * float("inf")
+    return loss
+
+
+def test_matches_torch_grad_scaler():
+    ours, theirs = _make(), [torch.nn.Parameter(p.detach().clone()) for p in _make()]
+    optimizer = FusedAdamW(ours, lr=1e-2)
+    reference = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    scaler = LossScaler(init_scale=2.0**10, growth_interval=3, device=DEVICE)
+    torch_scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**10, growth_interval=3)
+    scales = []
+    for step in range(12):
+        x = torch.randn(5, 4, device=DEVICE)
+        poison = step in (2, 7)
+        optimizer.zero_grad()
+        scaler.scale(_backward(ours, x, poison)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        reference.zero_grad()
+        torch_scaler.scale(_backward(theirs, x, poison)).backward()
+        torch_scaler.step(reference)
+        torch_scaler.update()
+        scales.append((scaler.get_scale().item(), torch_scaler.get_scale()))
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(a == b for a, b in scales), scales
+    assert scales[2][0] == 2.0**9  # backed off after the first overflow
+
+
+def test_an_overflowing_step_changes_nothing():
+    params = _make()
+    optimizer = FusedAdamW(params, lr=1e-2)
+    scaler = LossScaler(device=DEVICE)
+    x = torch.randn(5, 4, device=DEVICE)
+    scaler.scale(_backward(params, x, False)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    before = [p.detach().clone() for p in params]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in params]
+    step = optimizer.state[params[0]]["step"].clone()
+    optimizer.zero_grad()
+    scaler.scale(_backward(params, x, True)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    assert all(torch.equal(m, optimizer.state[p]["exp_avg"]) for m, p in zip(moments, params, strict=True))
+    assert torch.equal(step, optimizer.state[params[0]]["step"])
+    assert scaler.get_scale().item() == 2.0**15
+
+
+def test_state_dict_round_trip():
+    scaler = LossScaler(init_scale=8.0, growth_interval=5, device=DEVICE)
+    other = LossScaler(device=DEVICE)
+    other.load_state_dict(scaler.state_dict())
+    assert other.get_scale().item() == 8.0 and other.growth_interval == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaler(device=DEVICE, **kwargs)
+
+
+def test_update_before_step_is_an_error():
+    with pytest.raises(RuntimeError, match="call step"):
+        LossScaler(device=DEVICE).update()
