@@ -3,5 +3,6 @@
 from lstrain.optim.adamw import FusedAdamW
 from lstrain.optim.flat import FlatParameters
 from lstrain.optim.scaler import LossScaler
+from lstrain.optim.sgd import FusedSGD
 
-__all__ = ["FlatParameters", "FusedAdamW", "LossScaler"]
+__all__ = ["FlatParameters", "FusedAdamW", "FusedSGD", "LossScaler"]

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.optim.flat import BLOCK, FlatParameters
+from lstrain.optim.base import FlatOptimizer
+from lstrain.optim.flat import BLOCK
 
 __all__ = ["FusedAdamW"]
 
@@ -82,10 +83,7 @@ def _adamw_kernel(
     tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
 
 
-_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
-
-
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(FlatOptimizer):
     """AdamW (decoupled weight decay, or plain Adam with ``decoupled=False``) over flat buffers.
 
     Constructor arguments as :class:`torch.optim.AdamW`, per-group ``lr``, ``betas``,
@@ -101,9 +99,12 @@ class FusedAdamW(torch.optim.Optimizer):
     optimizer's :meth:`zero_grad`, which zeroes the buffers in place.
 
     Raises:
-        ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1), a parameter
-            that requires grad on another device, or a non-float parameter.
+        ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1),
+            max_grad_norm <= 0, parameters on several devices, or a non-float parameter.
     """
+
+    HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    STATE = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -116,154 +117,33 @@ class FusedAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         decoupled: bool = True,
     ) -> None:
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            _check_hyperparameters(group)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"FusedAdamW: max_grad_norm must be > 0, got {max_grad_norm}")
-        self.max_grad_norm = max_grad_norm
         self.decoupled = decoupled
-        self.found_inf: torch.Tensor | None = None  # of the last step, when it was loss-scaled
-        self.flat = FlatParameters([group["params"] for group in self.param_groups])
-        device = self.flat.device
-        self._step = torch.zeros((), dtype=torch.float32, device=device)
-        self._hyper = torch.empty((len(_HYPER), len(self.param_groups)), dtype=torch.float32, device=device)
-        self._hyper_values: list[tuple[float, ...]] = []
-        self._sync_hyperparameters()
-        self._masters = [b.data.float() if b.dtype != torch.float32 else None for b in self.flat.buffers]
-        self._exp_avg = [torch.zeros_like(b.data, dtype=torch.float32) for b in self.flat.buffers]
-        self._exp_avg_sq = [torch.zeros_like(b.data, dtype=torch.float32) for b in self.flat.buffers]
-        self._attach_state()
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, max_grad_norm)
 
-    def _attach_state(self) -> None:
-        """Expose per-parameter views of the flat state in torch's ``self.state`` layout."""
-        for buffer, master, exp_avg, exp_avg_sq in zip(
-            self.flat.buffers, self._masters, self._exp_avg, self._exp_avg_sq, strict=True
-        ):
-            for p, offset in zip(buffer.params, buffer.offsets, strict=True):
-                view = slice(offset, offset + p.numel())
-                state = {
-                    "step": self._step,
-                    "exp_avg": exp_avg[view].view_as(p),
-                    "exp_avg_sq": exp_avg_sq[view].view_as(p),
-                }
-                if master is not None:
-                    state["master_param"] = master[view].view_as(p)
-                self.state[p] = state
+    def _hyper_of(self, group: dict) -> tuple[float, ...]:
+        return (group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"])
 
-    def _sync_hyperparameters(self) -> None:
-        """Copy the groups' hyperparameters to the device when a scheduler changed them
-        (a host-to-device write, never a read back)."""
-        values = [(g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"]) for g in self.param_groups]
-        if values != self._hyper_values:
-            for group in self.param_groups:
-                _check_hyperparameters(group)
-            self._hyper.copy_(torch.tensor(values, dtype=torch.float32).t(), non_blocking=True)
-            self._hyper_values = values
+    def _check_group(self, group: dict) -> None:
+        lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if not 0 <= lr < math.inf:
+            raise ValueError(f"FusedAdamW: lr must be >= 0 and finite, got {lr}")
+        for name, beta in (("betas[0]", beta1), ("betas[1]", beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"FusedAdamW: {name} must be in [0, 1), got {beta}")
+        if not eps >= 0:
+            raise ValueError(f"FusedAdamW: eps must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"FusedAdamW: weight_decay must be >= 0, got {weight_decay}")
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffers in place (``set_to_none`` must stay False)."""
-        if set_to_none:
-            raise ValueError("FusedAdamW.zero_grad: set_to_none=True would detach .grad from the flat buffers")
-        self.flat.zero_grad()
-
-    def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of all (possibly loss-scaled) gradients, fp32, on the device."""
-        norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in self.flat.buffers]
-        return torch.linalg.vector_norm(torch.stack(norms))
-
-    def _grad_factor(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(factor the kernel multiplies gradients by, overflow flag), both device scalars or None.
-
-        One reduction serves both: the norm is not finite exactly when some gradient is not.
-        """
-        if self.max_grad_norm is None and inv_scale is None:
-            return None, None
-        norm = self.grad_norm()
-        found_inf = (~torch.isfinite(norm)).to(torch.float32) if inv_scale is not None else None
-        factor = inv_scale
-        if self.max_grad_norm is not None:
-            unscaled = norm if inv_scale is None else norm * inv_scale
-            clip = torch.clamp(self.max_grad_norm / (unscaled + 1e-6), max=1.0)
-            factor = clip if factor is None else factor * clip
-        return factor, found_inf
-
-    @torch.no_grad()
-    def step(self, closure=None, *, inv_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """One update of every parameter: one kernel launch per parameter dtype.
-
-        Args:
-            closure: re-evaluates the loss, as for torch optimizers.
-            inv_scale: 1 / loss scale (a device scalar) when the gradients are loss-scaled;
-                then a step whose gradients hold an inf or NaN changes nothing. Normally
-                passed by :class:`lstrain.optim.LossScaler`.
-
-        Returns:
-            The closure's loss, if any.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._sync_hyperparameters()
-        factor, found_inf = self._grad_factor(inv_scale)
-        self.found_inf = found_inf
-        if found_inf is None:
-            self._step += 1
-        else:
-            self._step += 1.0 - found_inf
-        groups = len(self.param_groups)
-        for buffer, master, exp_avg, exp_avg_sq in zip(
-            self.flat.buffers, self._masters, self._exp_avg, self._exp_avg_sq, strict=True
-        ):
-            blocks = buffer.data.numel() // BLOCK
-            if blocks == 0:
-                continue
-            _adamw_kernel[(blocks,)](
-                buffer.data, buffer.grad, master, exp_avg, exp_avg_sq, buffer.block_group,
-                self._hyper, self._step, factor, found_inf, groups,
-                HAS_MASTER=master is not None,
-                DECOUPLED=self.decoupled,
-                HAS_FACTOR=factor is not None,
-                CAN_SKIP=found_inf is not None,
-                BLOCK=BLOCK,
-                num_warps=4,
-            )  # fmt: skip
-        return loss
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch-convention state (as saved by :meth:`state_dict`) into the flat buffers."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"FusedAdamW.load_state_dict: {len(groups)} groups saved, {len(self.param_groups)} here")
-        index_to_param = {}
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("FusedAdamW.load_state_dict: a group's parameter count differs")
-            index_to_param.update(zip(saved["params"], group["params"], strict=True))
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                group[key] = saved[key]
-        with torch.no_grad():
-            for index, saved_state in state_dict["state"].items():
-                state = self.state[index_to_param[index]]
-                for key in ("exp_avg", "exp_avg_sq", "master_param"):
-                    if key in state and key in saved_state:
-                        state[key].copy_(saved_state[key])
-                self._step.copy_(torch.as_tensor(saved_state["step"]))
-        self._sync_hyperparameters()
-
-
-def _check_hyperparameters(group: dict) -> None:
-    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not lr >= 0:
-        raise ValueError(f"FusedAdamW: lr must be >= 0, got {lr}")
-    for name, beta in (("betas[0]", beta1), ("betas[1]", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"FusedAdamW: {name} must be in [0, 1), got {beta}")
-    if not eps >= 0:
-        raise ValueError(f"FusedAdamW: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0:
-        raise ValueError(f"FusedAdamW: weight_decay must be >= 0, got {weight_decay}")
-    if math.isinf(lr):
-        raise ValueError("FusedAdamW: lr must be finite")
+    def _launch(self, buffer, master, state, factor, found_inf) -> None:
+        _adamw_kernel[(buffer.data.numel() // BLOCK,)](
+            buffer.data, buffer.grad, master, state["exp_avg"], state["exp_avg_sq"], buffer.block_group,
+            self._hyper, self._step, factor, found_inf, len(self.param_groups),
+            HAS_MASTER=master is not None,
+            DECOUPLED=self.decoupled,
+            HAS_FACTOR=factor is not None,
+            CAN_SKIP=found_inf is not None,
+            BLOCK=BLOCK,
+            num_warps=4,
+        )  # fmt: skip

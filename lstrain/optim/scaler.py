@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lstrain.optim.adamw import FusedAdamW
+from lstrain.optim.base import FlatOptimizer
 
 __all__ = ["LossScaler"]
 
@@ -57,7 +57,7 @@ class LossScaler:
         """``loss * scale`` (in the loss's dtype)."""
         return loss * self._scale.to(loss.dtype)
 
-    def step(self, optimizer: FusedAdamW) -> None:
+    def step(self, optimizer: FlatOptimizer) -> None:
         """Unscale, check for inf/NaN and update, all inside the optimizer's step."""
         optimizer.step(inv_scale=self._scale.reciprocal())
         self._found_inf = optimizer.found_inf

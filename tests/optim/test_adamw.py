@@ -177,3 +177,36 @@ def test_bad_parameters_are_errors():
     p.grad = None
     with pytest.raises(RuntimeError, match="grad was replaced or set to None"):
         optimizer.flat.check_attached()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(momentum=0.0),
+        dict(momentum=0.9),
+        dict(momentum=0.9, dampening=0.1, weight_decay=1e-2),
+        dict(momentum=0.9, nesterov=True, weight_decay=1e-3),
+    ],
+)
+def test_sgd_matches_torch(options):
+    shapes, ours = _params()
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    optimizer = lstrain.optim.FusedSGD(ours, lr=1e-2, **options)
+    reference = torch.optim.SGD(theirs, lr=1e-2, foreach=False, **options)
+    for _ in range(50):
+        grads = [torch.randn(s, device=DEVICE) for s in shapes]
+        optimizer.zero_grad()
+        _feed(ours, grads)
+        _feed(theirs, grads)
+        optimizer.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_sgd_bad_options():
+    _, params = _params()
+    with pytest.raises(ValueError, match="nesterov needs momentum"):
+        lstrain.optim.FusedSGD(params, nesterov=True)
+    with pytest.raises(ValueError, match="momentum must be in"):
+        lstrain.optim.FusedSGD(params, momentum=1.5)

@@ -1,0 +1,124 @@
+"""FusedSGD: SGD with momentum over flat buffers, one kernel launch per parameter dtype."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain.optim.base import FlatOptimizer
+from lstrain.optim.flat import BLOCK
+
+__all__ = ["FusedSGD"]
+
+
+@triton.jit
+def _sgd_kernel(
+    param_ptr,
+    grad_ptr,
+    master_ptr,
+    momentum_ptr,
+    block_group_ptr,
+    hyper_ptr,
+    step_ptr,
+    grad_factor_ptr,
+    skip_ptr,
+    groups,
+    HAS_MASTER: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
+    CAN_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = tl.load(block_group_ptr + pid)
+    # hyper: [4, groups] fp32 = lr, momentum, dampening, weight_decay
+    lr = tl.load(hyper_ptr + group)
+    momentum = tl.load(hyper_ptr + groups + group)
+    dampening = tl.load(hyper_ptr + 2 * groups + group)
+    weight_decay = tl.load(hyper_ptr + 3 * groups + group)
+    first = tl.load(step_ptr) == 1.0
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(grad_ptr + offsets).to(tl.float32)
+    if HAS_FACTOR:
+        g *= tl.load(grad_factor_ptr)
+    skipped = tl.zeros([BLOCK], dtype=tl.float32)
+    if CAN_SKIP:
+        skipped += tl.load(skip_ptr)
+    write = skipped == 0.0
+    if HAS_MASTER:
+        w = tl.load(master_ptr + offsets)
+    else:
+        w = tl.load(param_ptr + offsets).to(tl.float32)
+    g = g + weight_decay * w
+    # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
+    buf = tl.load(momentum_ptr + offsets)
+    buf = tl.where(first, g, momentum * buf + (1.0 - dampening) * g)
+    update = g + momentum * buf if NESTEROV else buf
+    update = tl.where(momentum == 0.0, g, update)
+    w = w - lr * update
+    tl.store(momentum_ptr + offsets, buf, mask=write)
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, w, mask=write)
+    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
+
+
+class FusedSGD(FlatOptimizer):
+    """SGD with momentum (torch.optim.SGD's algorithm) over flat buffers.
+
+    Constructor arguments as :class:`torch.optim.SGD` (per-group ``lr``, ``momentum``,
+    ``dampening``, ``weight_decay``; ``nesterov`` for all groups), plus ``max_grad_norm``
+    as in :class:`~lstrain.optim.FusedAdamW`. 16-bit parameters get fp32 master weights;
+    the momentum buffer is fp32.
+
+    Raises:
+        ValueError: lr < 0, momentum or dampening outside [0, 1], weight_decay < 0,
+            nesterov without momentum or with dampening, or bad parameters.
+    """
+
+    HYPER = ("lr", "momentum", "dampening", "weight_decay")
+    STATE = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        self.nesterov = nesterov
+        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
+        super().__init__(params, defaults, max_grad_norm)
+
+    def _hyper_of(self, group: dict) -> tuple[float, ...]:
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+
+    def _check_group(self, group: dict) -> None:
+        if not 0 <= group["lr"] < math.inf:
+            raise ValueError(f"FusedSGD: lr must be >= 0 and finite, got {group['lr']}")
+        for key in ("momentum", "dampening"):
+            if not 0.0 <= group[key] <= 1.0:
+                raise ValueError(f"FusedSGD: {key} must be in [0, 1], got {group[key]}")
+        if not group["weight_decay"] >= 0:
+            raise ValueError(f"FusedSGD: weight_decay must be >= 0, got {group['weight_decay']}")
+        if self.nesterov and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("FusedSGD: nesterov needs momentum > 0 and dampening 0")
+
+    def _launch(self, buffer, master, state, factor, found_inf) -> None:
+        _sgd_kernel[(buffer.data.numel() // BLOCK,)](
+            buffer.data, buffer.grad, master, state["momentum_buffer"], buffer.block_group,
+            self._hyper, self._step, factor, found_inf, len(self.param_groups),
+            HAS_MASTER=master is not None,
+            NESTEROV=self.nesterov,
+            HAS_FACTOR=factor is not None,
+            CAN_SKIP=found_inf is not None,
+            BLOCK=BLOCK,
+            num_warps=4,
+        )  # fmt: skip
