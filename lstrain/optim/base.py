@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lstrain import _backend
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters
 
 __all__ = ["FlatOptimizer"]
@@ -35,6 +36,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.found_inf: torch.Tensor | None = None  # of the last step, when it was loss-scaled
         self.flat = FlatParameters([group["params"] for group in self.param_groups])
         device = self.flat.device
+        if _backend.backend_for(torch.empty(0, device=device)) == "reference":
+            raise ValueError(
+                f"{name}: parameters on {device} need the Triton interpreter (TRITON_INTERPRET=1 before "
+                "importing lstrain) or a CUDA device; the update is a Triton kernel"
+            )
         self._step = torch.zeros((), dtype=torch.float32, device=device)
         self._hyper = torch.empty((len(self.HYPER), len(self.param_groups)), dtype=torch.float32, device=device)
         self._hyper_values: list[tuple[float, ...]] = []

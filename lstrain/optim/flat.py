@@ -113,6 +113,16 @@ class FlatParameters:
                         "flat buffers in place"
                     )
 
+    def all_reduce_grads(self, group=None) -> None:
+        """Average the gradients over a process group: one all-reduce per flat buffer,
+        whatever the number of tensors (for data parallelism without DDP's own buckets)."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        for buffer in self.buffers:
+            dist.all_reduce(buffer.grad, group=group)
+            buffer.grad.div_(world)
+
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         for buffer in self.buffers:
             yield from buffer.params
