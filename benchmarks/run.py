@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from benchmarks.specs import REGISTRY, BenchCase
+from benchmarks.specs import REGISTRY, STEP_REGISTRY, BenchCase, StepCase
 
 
 def copy_bandwidth_gbs(gib: int = 4) -> float:
@@ -143,6 +143,36 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
     return rows
 
 
+def run_step_case(case: StepCase, bandwidth: float) -> list[dict]:
+    """Optimizer steps: do_bench of ``step()`` per implementation (fresh parameters each)."""
+    rows = []
+    for name, build in case.implementations.items():
+        step = build(case.make)
+        step()
+        ms = do_bench(step, warmup=25, rep=200, return_mode="median")
+        gbs = case.min_bytes / (ms * 1e-3) / 1e9
+        rows.append(
+            {
+                "op": case.op,
+                "shape": case.label,
+                "impl": name,
+                "gpu_ms": ms,
+                "call_ms": ms,
+                "host_us": float("nan"),
+                "peak_mib": 0.0,
+                "gbs": gbs,
+                "pct_copy_bw": 100 * gbs / bandwidth,
+                "min_bytes": case.min_bytes,
+                "target_ms": case.target_ms,
+                "tflops": None,
+            }
+        )
+        print(f"{case.op:<18} {case.label:<36} {name:<40} step {ms:8.4f} ms  {gbs:7.0f} GB/s", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB | TFLOP/s "
@@ -165,7 +195,12 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", action="append", choices=sorted(REGISTRY), help="op to run (repeatable; default all)")
+    parser.add_argument(
+        "--op",
+        action="append",
+        choices=sorted(REGISTRY) + sorted(STEP_REGISTRY),
+        help="op to run (repeatable; default all)",
+    )
     parser.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = parser.parse_args()
@@ -183,7 +218,11 @@ def main() -> None:
     }
     print(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}: copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
-    for op in args.op or REGISTRY:
+    for op in args.op or [*REGISTRY, *STEP_REGISTRY]:
+        if op in STEP_REGISTRY:
+            for case in STEP_REGISTRY[op]():
+                rows.extend(run_step_case(case, bandwidth))
+            continue
         for case in REGISTRY[op]():
             rows.extend(run_case(case, bandwidth, set(args.impl) if args.impl else None))
             torch.cuda.empty_cache()

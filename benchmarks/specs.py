@@ -240,3 +240,77 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "embedding": embedding_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
 }
+
+
+@dataclass
+class StepCase:
+    """An optimizer step: ``make()`` builds fresh parameters with gradients for each
+    implementation, which returns a zero-argument step function."""
+
+    op: str
+    label: str
+    make: Callable[[torch.dtype], list[torch.nn.Parameter]]
+    implementations: dict[str, Callable[[Callable], Callable[[], None]]]
+    min_bytes: int
+    target_ms: float | None = None
+
+
+def gpt2_medium_parameters(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """GPT-2 medium's 292 parameter tensors (355M values) with random gradients."""
+    dim, layers, vocab, positions = 1024, 24, 50257, 1024
+    shapes = [(vocab, dim), (positions, dim)]
+    for _ in range(layers):
+        shapes += [(dim,), (dim,), (dim, 3 * dim), (3 * dim,), (dim, dim), (dim,)]
+        shapes += [(dim,), (dim,), (dim, 4 * dim), (4 * dim,), (4 * dim, dim), (dim,)]
+    shapes += [(dim,), (dim,)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=dtype, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device="cuda", dtype=dtype, generator=gen) * 1e-3
+        params.append(p)
+    return params
+
+
+def adamw_cases() -> list[StepCase]:
+    from lstrain.optim import FusedAdamW
+
+    def lstrain_bf16(make):
+        params = make(torch.bfloat16)
+        optimizer = FusedAdamW(params, lr=1e-4, weight_decay=0.1)
+        return optimizer.step
+
+    def torch_fp32(**options):
+        def build(make):
+            optimizer = torch.optim.AdamW(make(torch.float32), lr=1e-4, weight_decay=0.1, **options)
+            return optimizer.step
+
+        return build
+
+    def torch_fused_master_copy(make):
+        params = make(torch.bfloat16)
+        masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+        for m, p in zip(masters, params, strict=True):
+            m.grad = p.grad.float()
+        optimizer = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, fused=True)
+
+        def step():
+            for m, p in zip(masters, params, strict=True):
+                m.grad.copy_(p.grad)
+            optimizer.step()
+            torch._foreach_copy_([p.data for p in params], [m.data for m in masters])
+
+        return step
+
+    impls = {
+        "lstrain bf16 + fp32 master": lstrain_bf16,
+        "torch fused=True fp32": torch_fp32(fused=True),
+        "torch foreach fp32": torch_fp32(foreach=True),
+        "torch fused fp32 master + copy to bf16": torch_fused_master_copy,
+    }
+    # bf16 param read + written, bf16 grad read, fp32 master + two moments read and written
+    min_bytes = 355_000_000 * (2 + 2 + 2 + 3 * 8)
+    return [StepCase("adamw", "GPT-2 medium, 292 tensors", gpt2_medium_parameters, impls, min_bytes, 2.55)]
+
+
+STEP_REGISTRY: dict[str, Callable[[], list[StepCase]]] = {"adamw": adamw_cases}
