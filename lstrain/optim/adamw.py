@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.optim.base import FlatOptimizer
+from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_weight
 from lstrain.optim.flat import BLOCK
 
 __all__ = ["FusedAdamW"]
@@ -52,18 +52,9 @@ def _adamw_kernel(
     weight_decay = tl.load(hyper_ptr + 4 * groups + group)
     step = tl.load(step_ptr).to(tl.float32)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(grad_ptr + offsets).to(tl.float32)
-    if HAS_FACTOR:  # loss-scale inverse times the clip factor
-        g *= tl.load(grad_factor_ptr)
-    # An overflowing step writes nothing: parameters and moments stay as they are.
-    skipped = tl.zeros([BLOCK], dtype=tl.float32)
-    if CAN_SKIP:
-        skipped += tl.load(skip_ptr)
-    write = skipped == 0.0
-    if HAS_MASTER:
-        w = tl.load(master_ptr + offsets)
-    else:
-        w = tl.load(param_ptr + offsets).to(tl.float32)
+    g, w, write = load_gradient_and_weight(
+        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP, BLOCK
+    )
     if DECOUPLED:
         w = w * (1.0 - lr * weight_decay)
     else:
@@ -78,9 +69,7 @@ def _adamw_kernel(
     w = w - (lr / bias_correction1) * (m / denom)
     tl.store(exp_avg_ptr + offsets, m, mask=write)
     tl.store(exp_avg_sq_ptr + offsets, v, mask=write)
-    if HAS_MASTER:
-        tl.store(master_ptr + offsets, w, mask=write)
-    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
+    store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER)
 
 
 class FusedAdamW(FlatOptimizer):

@@ -6,11 +6,51 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import triton
+import triton.language as tl
 
 from lstrain import _backend
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters
 
-__all__ = ["FlatOptimizer"]
+__all__ = ["FlatOptimizer", "load_gradient_and_weight", "store_weight"]
+
+
+@triton.jit
+def load_gradient_and_weight(
+    param_ptr,
+    grad_ptr,
+    master_ptr,
+    grad_factor_ptr,
+    skip_ptr,
+    offsets,
+    HAS_MASTER: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
+    CAN_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """(gradient times the clip / loss-scale factor, fp32 weight, store mask) of one block.
+
+    The store mask is all False on an overflowing step, which then changes nothing.
+    """
+    g = tl.load(grad_ptr + offsets).to(tl.float32)
+    if HAS_FACTOR:
+        g *= tl.load(grad_factor_ptr)
+    skipped = tl.zeros([BLOCK], dtype=tl.float32)
+    if CAN_SKIP:
+        skipped += tl.load(skip_ptr)
+    if HAS_MASTER:
+        w = tl.load(master_ptr + offsets)
+    else:
+        w = tl.load(param_ptr + offsets).to(tl.float32)
+    return g, w, skipped == 0.0
+
+
+@triton.jit
+def store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER: tl.constexpr):
+    """Write the fp32 weight to the master copy (if any) and, rounded, to the parameter."""
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, w, mask=write)
+    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
 
 
 class FlatOptimizer(torch.optim.Optimizer):

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.optim.base import FlatOptimizer
+from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_weight
 from lstrain.optim.flat import BLOCK
 
 __all__ = ["FusedSGD"]
@@ -42,17 +42,9 @@ def _sgd_kernel(
     weight_decay = tl.load(hyper_ptr + 3 * groups + group)
     first = tl.load(step_ptr) == 1.0
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(grad_ptr + offsets).to(tl.float32)
-    if HAS_FACTOR:
-        g *= tl.load(grad_factor_ptr)
-    skipped = tl.zeros([BLOCK], dtype=tl.float32)
-    if CAN_SKIP:
-        skipped += tl.load(skip_ptr)
-    write = skipped == 0.0
-    if HAS_MASTER:
-        w = tl.load(master_ptr + offsets)
-    else:
-        w = tl.load(param_ptr + offsets).to(tl.float32)
+    g, w, write = load_gradient_and_weight(
+        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP, BLOCK
+    )
     g = g + weight_decay * w
     # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
     buf = tl.load(momentum_ptr + offsets)
@@ -61,9 +53,7 @@ def _sgd_kernel(
     update = tl.where(momentum == 0.0, g, update)
     w = w - lr * update
     tl.store(momentum_ptr + offsets, buf, mask=write)
-    if HAS_MASTER:
-        tl.store(master_ptr + offsets, w, mask=write)
-    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
+    store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER)
 
 
 class FusedSGD(FlatOptimizer):
