@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.activations import ACTIVATIONS, activation_ref, apply_activation
 from lstrain.ops.dropout import as_rows, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops.partial_sums import sum_partials
 
@@ -24,30 +25,6 @@ __all__ = [
     "bias_act_dropout_fwd",
     "bias_act_dropout_ref",
 ]
-
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-
-
-@triton.jit
-def _activation(z, ACT: tl.constexpr):
-    """(act(z), act'(z)) in fp32; ACT: 0 gelu, 1 gelu_tanh, 2 relu, 3 silu."""
-    if ACT == 0:  # 0.5 z (1 + erf(z / sqrt 2)); slope cdf + z * pdf
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        value = z * cdf
-        slope = cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
-    elif ACT == 1:  # 0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))
-        inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh(inner)
-        value = 0.5 * z * (1.0 + t)
-        slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-    elif ACT == 2:
-        value = tl.maximum(z, 0.0)
-        slope = tl.where(z > 0.0, 1.0, 0.0)
-    else:  # z sigmoid(z)
-        s = tl.sigmoid(z)
-        value = z * s
-        slope = s * (1.0 + z * (1.0 - s))
-    return value, slope
 
 
 @triton.jit
@@ -72,7 +49,7 @@ def _bias_act_dropout_fwd_kernel(
     z = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
-    y, _ = _activation(z, ACT)
+    y, _ = apply_activation(z, ACT)
     offsets = row[:, None] * cols + col[None, :]
     if DROPOUT:
         p = tl.cast(p, tl.float32)
@@ -118,7 +95,7 @@ def _bias_act_dropout_bwd_kernel(
         offsets = row[:, None] * cols + col[None, :]
         if DROPOUT:
             g = tl.where(dropout_keep(seed_ptr, offsets, p), g / (1.0 - p), 0.0)
-        _, slope = _activation(z, ACT)
+        _, slope = apply_activation(z, ACT)
         g = tl.where(mask, g * slope, 0.0)
         tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
         if BIAS_GRAD:
@@ -296,13 +273,7 @@ def bias_act_dropout_ref(
     it, torch's generator draws one."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     z = x.to(compute) if bias is None else x.to(compute) + bias.to(compute)
-    act = {
-        "gelu": torch.nn.functional.gelu,
-        "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
-        "relu": torch.relu,
-        "silu": torch.nn.functional.silu,
-    }[activation]
-    y = act(z)
+    y = activation_ref(activation, z)
     if dropout > 0:
         keep = mask if mask is not None else torch.rand(y.shape, device=y.device) >= dropout
         y = torch.where(keep, y / (1 - dropout), 0.0)
