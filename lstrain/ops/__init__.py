@@ -5,6 +5,7 @@ from lstrain.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
 from lstrain.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lstrain.ops.embedding import embedding, embedding_ref
+from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 
@@ -19,6 +20,8 @@ __all__ = [
     "cross_entropy_ref",
     "embedding",
     "embedding_ref",
+    "gemm",
+    "gemm_ref",
     "layer_norm",
     "layer_norm_ref",
     "linear_cross_entropy",

@@ -1,0 +1,287 @@
+"""GEMM with a fused epilogue: D = act(alpha * (a @ b) + beta * c + bias).
+
+The fp32 accumulator gets the whole affine part and the activation in registers, and is
+rounded once, at the store. ``beta == 0`` (or no ``c``) compiles a kernel that never
+loads C. Operands may be transposed (any strides); edges are masked, so any M, N, K.
+Programs are ordered in groups of ``group_m`` tile rows so that neighbouring programs
+share tiles of ``b`` in L2.
+
+Backward (when an input requires grad) recomputes the pre-activation with this kernel and
+uses cuBLAS GEMMs for the gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+from lstrain.ops.activations import activation_index, activation_ref, apply_activation
+
+__all__ = ["GemmFunction", "GemmPlan", "gemm", "gemm_fwd", "gemm_plan", "gemm_ref"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    d_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_dm,
+    alpha,
+    beta,
+    HAS_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
+        if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    z = acc * tl.cast(alpha, tl.float32)
+    if HAS_C:
+        c = tl.load(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, mask=mask, other=0.0)
+        z += tl.cast(beta, tl.float32) * c.to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    d, _ = apply_activation(z, ACT)
+    tl.store(d_ptr + rows[:, None] * stride_dm + cols[None, :], d.to(d_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Tile shape, program grouping and pipelining of one GEMM launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
+    """Launch settings from the problem shape (a pure function).
+
+    Large problems get the 128 x 256 x 64 tiles, 8 warps and a 3-deep pipeline that suit
+    Hopper's tensor cores for 16-bit inputs; fp32 inputs take half-deep K tiles; small
+    problems smaller tiles, so that the grid still fills the GPU.
+    """
+    block_k = 64 if element_size <= 2 else 32
+    if m >= 2048 and n >= 2048:
+        return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=3)
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    return GemmPlan(block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k))), 8, num_warps=4, num_stages=3)
+
+
+def gemm_fwd(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    act: int,
+    out_dtype: torch.dtype,
+    plan: GemmPlan | None = None,
+) -> torch.Tensor:
+    """Launch the kernel on validated 2-D operands; returns D [M, N] in ``out_dtype``."""
+    m, k = a.shape
+    n = b.shape[1]
+    d = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return d
+    plan = plan or gemm_plan(m, n, k, a.element_size())
+    has_c = c is not None and beta != 0.0
+    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n),)
+    _gemm_kernel[grid](
+        a, b, c if has_c else None, bias, d,
+        m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0) if has_c else 0, c.stride(1) if has_c else 0, d.stride(0),
+        alpha, beta,
+        HAS_C=has_c,
+        HAS_BIAS=bias is not None,
+        ACT=act,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+        GROUP_M=plan.group_m,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )  # fmt: skip
+    return d
+
+
+@torch.library.custom_op("lstrain::gemm", mutates_args=())
+def _gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    act: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return gemm_fwd(a, b, c, bias, alpha, beta, act, out_dtype)
+
+
+@_gemm_op.register_fake
+def _(a, b, c, bias, alpha, beta, act, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+class GemmFunction(torch.autograd.Function):
+    """Autograd for :func:`gemm`: backward recomputes the pre-activation z and applies
+    dz = dD * act'(z), then dA = alpha dz B^T, dB = alpha A^T dz, dC = beta dz, dbias = sum dz."""
+
+    @staticmethod
+    def forward(ctx, a, b, c, bias, alpha, beta, act, out_dtype):
+        fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd
+        d = fwd(a, b, c, bias, alpha, beta, act, out_dtype)
+        ctx.save_for_backward(a, b, c, bias)
+        ctx.options = (alpha, beta, act)
+        return d
+
+    @staticmethod
+    def backward(ctx, dd):
+        a, b, c, bias = ctx.saved_tensors
+        alpha, beta, act = ctx.options
+        fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd
+        dz = dd.float()
+        if act >= 0:
+            z = fwd(a, b, c, bias, alpha, beta, -1, torch.float32)
+            dz = dz * _slope(act, z)
+        da = (alpha * dz).to(a.dtype) @ b.t() if ctx.needs_input_grad[0] else None
+        db = a.t() @ (alpha * dz).to(b.dtype) if ctx.needs_input_grad[1] else None
+        dc = (beta * dz).to(c.dtype) if c is not None and ctx.needs_input_grad[2] else None
+        dbias = dz.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+        return da, db, dc, dbias, None, None, None, None
+
+
+def _slope(act: int, z: torch.Tensor) -> torch.Tensor:
+    """act'(z) in plain PyTorch (backward only)."""
+    with torch.enable_grad():
+        zz = z.detach().requires_grad_()
+        (slope,) = torch.autograd.grad(activation_ref(("gelu", "gelu_tanh", "relu", "silu")[act], zz).sum(), zz)
+    return slope
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    c: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``act(alpha * (a @ b) + beta * c + bias)`` with the epilogue fused into the GEMM.
+
+    Args:
+        a: ``[M, K]``, float16/bfloat16/float32 (fp32 products are full fp32, as in
+            torch.matmul by default); any strides (a transposed view needs no copy).
+        b: ``[K, N]``, same dtype; any strides.
+        c: optional ``[M, N]`` added as ``beta * c`` (never read when ``beta == 0``).
+        bias: optional ``[N]``, added to every row.
+        alpha, beta: scalars of the affine epilogue.
+        activation: None, ``"relu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+        out_dtype: dtype of D (default a's dtype); the accumulator is fp32 until the store.
+
+    Returns:
+        D, ``[M, N]`` contiguous.
+
+    Raises:
+        ValueError: operands not 2-D, inner dims that differ, mixed dtypes or devices, a
+            ``c`` or ``bias`` of the wrong shape, or an unknown activation.
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"gemm: need a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _SUPPORTED_DTYPES or b.dtype != a.dtype:
+        raise ValueError(f"gemm: a and b must share a float dtype, got {a.dtype} and {b.dtype}")
+    m, n = a.shape[0], b.shape[1]
+    for name, t, shape in (("c", c, (m, n)), ("bias", bias, (n,))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"gemm: {name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.device != a.device:
+            raise ValueError(f"gemm: {name} is on {t.device} but a is on {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"gemm: b is on {b.device} but a is on {a.device}")
+    act = activation_index(activation, "gemm")
+    out_dtype = out_dtype or a.dtype
+    backend = _backend.backend_for(a)
+    _backend.note("gemm", backend)
+    if backend == "reference":
+        return gemm_ref(a, b, c=c, bias=bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype)
+    return GemmFunction.apply(a, b, c, bias, float(alpha), float(beta), act, out_dtype)
+
+
+def gemm_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    c: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch: the product in fp32 (fp64 for fp64 input), epilogue in the same precision."""
+    compute = torch.float64 if a.dtype == torch.float64 else torch.float32
+    z = alpha * (a.to(compute) @ b.to(compute))
+    if c is not None and beta != 0.0:
+        z = z + beta * c.to(compute)
+    if bias is not None:
+        z = z + bias.to(compute)
+    return activation_ref(activation, z).to(out_dtype or a.dtype)
