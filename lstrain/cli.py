@@ -75,7 +75,6 @@ def _check(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     from lstrain import _backend
     from lstrain.testing.checks import OP_CHECKS
-    from lstrain.testing.strategies import FLOAT_DTYPES
 
     if device == "cpu" and not _backend.interpreter_active():
         print("lstrain check: lstrain.ops was imported before the interpreter could be enabled", file=sys.stderr)
@@ -95,7 +94,7 @@ def _check(args: argparse.Namespace) -> int:
     failed = False
     for name in args.ops or OP_CHECKS:
         start = time.perf_counter()
-        for dtype in FLOAT_DTYPES:
+        for dtype in OP_CHECKS[name].dtypes(device):
             t = _check_op(OP_CHECKS[name], device, dtype, args.examples, not args.random)
             failed |= t.failure is not None
             print(

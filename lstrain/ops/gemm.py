@@ -20,7 +20,13 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.activations import activation_index, activation_ref, apply_activation
+from lstrain.ops.activations import (
+    ACTIVATIONS,
+    activation_index,
+    activation_ref,
+    activation_slope_ref,
+    apply_activation,
+)
 
 __all__ = ["GemmFunction", "GemmPlan", "gemm", "gemm_fwd", "gemm_plan", "gemm_ref"]
 
@@ -197,20 +203,12 @@ class GemmFunction(torch.autograd.Function):
         dz = dd.float()
         if act >= 0:
             z = fwd(a, b, c, bias, alpha, beta, -1, torch.float32)
-            dz = dz * _slope(act, z)
+            dz = dz * activation_slope_ref(ACTIVATIONS[act], z)
         da = (alpha * dz).to(a.dtype) @ b.t() if ctx.needs_input_grad[0] else None
         db = a.t() @ (alpha * dz).to(b.dtype) if ctx.needs_input_grad[1] else None
         dc = (beta * dz).to(c.dtype) if c is not None and ctx.needs_input_grad[2] else None
         dbias = dz.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
         return da, db, dc, dbias, None, None, None, None
-
-
-def _slope(act: int, z: torch.Tensor) -> torch.Tensor:
-    """act'(z) in plain PyTorch (backward only)."""
-    with torch.enable_grad():
-        zz = z.detach().requires_grad_()
-        (slope,) = torch.autograd.grad(activation_ref(("gelu", "gelu_tanh", "relu", "silu")[act], zz).sum(), zz)
-    return slope
 
 
 def gemm(

@@ -25,6 +25,8 @@ from lstrain.ops import (
     cross_entropy_ref,
     embedding,
     embedding_ref,
+    gemm,
+    gemm_ref,
     layer_norm,
     layer_norm_ref,
     linear_cross_entropy,
@@ -33,10 +35,13 @@ from lstrain.ops import (
 from lstrain.ops.dropout import dropout_mask
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
 from lstrain.testing.strategies import (
+    FLOAT_DTYPES,
+    GEMM_CPU_DTYPES,
     attention_softmax_cases,
     bias_dropout_cases,
     cross_entropy_cases,
     embedding_cases,
+    gemm_cases,
     layer_norm_cases,
     linear_cross_entropy_cases,
 )
@@ -57,12 +62,19 @@ class OpCheck:
     name: str
     cases: Callable[[str, torch.dtype | None], st.SearchStrategy[dict]]
     run: Callable[[dict, str], CheckResult]
+    cpu_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+
+    def dtypes(self, device: str) -> tuple[torch.dtype, ...]:
+        """The dtypes worth checking on ``device``."""
+        return self.cpu_dtypes if device == "cpu" else FLOAT_DTYPES
 
     def describe(self, case: dict) -> str:
         if "shape" in case:
             return "x".join(str(n) for n in case["shape"])
         if "hidden" in case:
             return f"{case['tokens']}x{case['hidden']}x{case['vocab']}"
+        if "mnk" in case:
+            return "x".join(str(n) for n in case["mnk"])
         return "x".join(str(n) for n in case["tokens"]) + f"x{case['dim']}"
 
 
@@ -261,6 +273,27 @@ def _run_embedding(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_gemm(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    m, n, k = case["mnk"]
+    dtype = case["dtype"]
+    a = _randn((k, m) if case["transpose_a"] else (m, k), gen, device, dtype)
+    b = _randn((n, k) if case["transpose_b"] else (k, n), gen, device, dtype)
+    inputs = {"a": a.t() if case["transpose_a"] else a, "b": b.t() if case["transpose_b"] else b}
+    if case["c"]:
+        inputs["c"] = _randn((m, n), gen, device, dtype)
+    if case["bias"]:
+        inputs["bias"] = _randn((n,), gen, device, dtype)
+    options = {k: case[k] for k in ("alpha", "beta", "activation")}
+
+    def run(fn):
+        return lambda **kw: fn(kw["a"], kw["b"], c=kw.get("c"), bias=kw.get("bias"), **options)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(run(gemm), run(gemm_ref), inputs, atol=_atol(dtype, device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
@@ -269,4 +302,5 @@ OP_CHECKS: dict[str, OpCheck] = {
     "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
     "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
     "embedding": OpCheck("embedding", embedding_cases, _run_embedding),
+    "gemm": OpCheck("gemm", gemm_cases, _run_gemm, cpu_dtypes=GEMM_CPU_DTYPES),
 }

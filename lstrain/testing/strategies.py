@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 
 __all__ = [
     "FLOAT_DTYPES",
+    "GEMM_CPU_DTYPES",
     "attention_softmax_cases",
     "bias_dropout_cases",
     "cross_entropy_cases",
     "dtypes",
     "embedding_cases",
+    "gemm_cases",
     "layer_norm_cases",
     "linear_cross_entropy_cases",
     "register_profiles",
@@ -27,6 +29,7 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GEMM_CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter's bf16 tl.dot is wrong
 
 
 def register_profiles() -> None:
@@ -210,5 +213,30 @@ def embedding_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None)
         "dropout": draw(st.sampled_from([0.0, 0.1, 0.5])),
         "padding": draw(st.booleans()),
         "deterministic": draw(st.booleans()),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def gemm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A GEMM case: M, N, K, transposed operands, every epilogue combination.
+
+    bf16 only on a GPU: Triton's CPU interpreter computes tl.dot on bf16 inputs wrongly
+    (seen with triton 3.9), so CPU runs draw from ``GEMM_CPU_DTYPES``.
+    """
+    small = device == "cpu"
+    if dtype is None:
+        dtype = draw(st.sampled_from(GEMM_CPU_DTYPES if small else FLOAT_DTYPES))
+    size = st.integers(1, 96 if small else 1024)
+    return {
+        "mnk": (draw(size), draw(size), draw(size)),
+        "dtype": dtype,
+        "transpose_a": draw(st.booleans()),
+        "transpose_b": draw(st.booleans()),
+        "c": draw(st.booleans()),
+        "bias": draw(st.booleans()),
+        "alpha": draw(st.sampled_from([1.0, 0.5, -2.0])),
+        "beta": draw(st.sampled_from([0.0, 1.0, 0.3])),
+        "activation": draw(st.sampled_from([None, "relu", "gelu", "gelu_tanh", "silu"])),
         "seed": draw(seeds()),
     }

@@ -1,0 +1,112 @@
+import pytest
+import torch
+from hypothesis import example, given
+
+from lstrain.ops import gemm, gemm_ref
+from lstrain.ops.gemm import gemm_plan
+from lstrain.testing import assert_all_passed
+from lstrain.testing.checks import OP_CHECKS
+from lstrain.testing.strategies import gemm_cases
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+CHECK = OP_CHECKS["gemm"]
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+
+
+def _case(mnk=(5, 7, 3), dtype=torch.float32, ta=False, tb=False, c=False, bias=False, alpha=1.0, beta=0.0, act=None):
+    return {
+        "mnk": mnk,
+        "dtype": dtype,
+        "transpose_a": ta,
+        "transpose_b": tb,
+        "c": c,
+        "bias": bias,
+        "alpha": alpha,
+        "beta": beta,
+        "activation": act,
+        "seed": 0,
+    }
+
+
+@given(case=gemm_cases(DEVICE))
+@example(case=_case(mnk=(1, 1, 1)))
+@example(case=_case(mnk=(33, 65, 17), dtype=LOW, ta=True, c=True, bias=True, beta=0.5, act="gelu"))
+@example(case=_case(mnk=(64, 64, 130), tb=True, c=True, beta=0.0, act="silu"))  # C ignored
+@example(case=_case(mnk=(70, 3, 9), dtype=LOW, bias=True, alpha=-2.0, act="relu"))
+@example(case=_case(mnk=(8, 40, 8), c=True, beta=1.0, act="gelu_tanh"))
+def test_matches_torch(case):
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+def test_beta_zero_never_reads_c(device):
+    a, b = torch.randn(16, 8, device=device), torch.randn(8, 12, device=device)
+    c = torch.full((16, 12), float("nan"), device=device)
+    d = gemm(a, b, c=c, beta=0.0)
+    assert torch.isfinite(d).all()
+    torch.testing.assert_close(d, a @ b)
+
+
+def test_out_dtype_and_fp32_accumulation(device):
+    a = torch.randn(32, 256, device=device).to(LOW)
+    b = torch.randn(256, 24, device=device).to(LOW)
+    d = gemm(a, b, alpha=0.25, out_dtype=torch.float32)
+    assert d.dtype == torch.float32
+    torch.testing.assert_close(d, 0.25 * (a.float() @ b.float()), rtol=1e-4, atol=1e-3)
+
+
+def test_launch_plan():
+    big = gemm_plan(16384, 11008, 4096, 2)
+    assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (128, 256, 64, 8)
+    small = gemm_plan(5, 7, 3, 4)
+    assert small.block_m == 16 and small.block_n == 16 and small.block_k == 16
+    assert gemm_plan(4096, 4096, 4096, 4).block_k == 32
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda a: gemm(a, a), "need a \\[M, K\\] and b \\[K, N\\]"),
+        (lambda a: gemm(a[0], a.t()), "need a"),
+        (lambda a: gemm(a, a.t().double()), "share a float dtype"),
+        (lambda a: gemm(a, a.t(), c=torch.zeros(3, 3, device=a.device)), "c has shape \\(3, 3\\), expected \\(4, 4\\)"),
+        (lambda a: gemm(a, a.t(), bias=torch.zeros(5, device=a.device)), "bias has shape"),
+        (lambda a: gemm(a, a.t(), activation="tanh"), "activation must be None or one of"),
+        (lambda a: gemm(a, a.t(), bias=torch.zeros(4, device="meta")), "bias is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(device, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(torch.randn(4, 6, device=device))
+
+
+def test_reference_matches_torch_addmm(device):
+    a, b = torch.randn(5, 4, device=device), torch.randn(4, 3, device=device)
+    c, bias = torch.randn(5, 3, device=device), torch.randn(3, device=device)
+    expected = torch.relu(torch.addmm(c, a, b, beta=0.5, alpha=2.0) + bias)
+    torch.testing.assert_close(gemm_ref(a, b, c=c, bias=bias, alpha=2.0, beta=0.5, activation="relu"), expected)
+
+
+def test_torch_compile_fullgraph(device):
+    w = torch.randn(16, 24, device=device, requires_grad=True)
+    bias = torch.randn(24, device=device, requires_grad=True)
+
+    def f(x):
+        return gemm(x, w, bias=bias, activation="gelu").sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x = torch.randn(8, 16, device=device)
+    out = compiled(x)
+    grads = torch.autograd.grad(out, (w, bias))
+    ref_out = f(x)
+    ref_grads = torch.autograd.grad(ref_out, (w, bias))
+    torch.testing.assert_close(out, ref_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_custom_op_passes_opcheck(device):
+    a, b = torch.randn(6, 5, device=device), torch.randn(5, 7, device=device)
+    c, bias = torch.randn(6, 7, device=device), torch.randn(7, device=device)
+    torch.library.opcheck(torch.ops.lstrain.gemm, (a, b, c, bias, 1.5, 0.5, 3, torch.float32))
