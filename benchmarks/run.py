@@ -144,7 +144,8 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
 
 
 def run_step_case(case: StepCase, bandwidth: float) -> list[dict]:
-    """Optimizer steps: do_bench of ``step()`` per implementation (fresh parameters each)."""
+    """Forward-only work (optimizer steps, GEMMs): do_bench of one call per implementation,
+    each built on fresh inputs."""
     rows = []
     for name, build in case.implementations.items():
         step = build(case.make)
@@ -164,10 +165,11 @@ def run_step_case(case: StepCase, bandwidth: float) -> list[dict]:
                 "pct_copy_bw": 100 * gbs / bandwidth,
                 "min_bytes": case.min_bytes,
                 "target_ms": case.target_ms,
-                "tflops": None,
+                "tflops": case.flops / (ms * 1e-3) / 1e12 if case.flops else None,
             }
         )
-        print(f"{case.op:<18} {case.label:<36} {name:<40} step {ms:8.4f} ms  {gbs:7.0f} GB/s", flush=True)
+        tflops = f"  {rows[-1]['tflops']:6.1f} TFLOP/s" if case.flops else ""
+        print(f"{case.op:<18} {case.label:<36} {name:<40} {ms:8.4f} ms  {gbs:7.0f} GB/s{tflops}", flush=True)
         del step
         torch.cuda.empty_cache()
     return rows

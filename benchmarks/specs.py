@@ -253,6 +253,7 @@ class StepCase:
     implementations: dict[str, Callable[[Callable], Callable[[], None]]]
     min_bytes: int
     target_ms: float | None = None
+    flops: int = 0
 
 
 def gpt2_medium_parameters(dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -313,4 +314,61 @@ def adamw_cases() -> list[StepCase]:
     return [StepCase("adamw", "GPT-2 medium, 292 tensors", gpt2_medium_parameters, impls, min_bytes, 2.55)]
 
 
-STEP_REGISTRY: dict[str, Callable[[], list[StepCase]]] = {"adamw": adamw_cases}
+def gemm_cases() -> list[StepCase]:
+    """Forward GEMMs at an MLP's shape: the mainloop against cuBLAS, and the bias + GELU
+    epilogue against cuBLAS followed by the separate elementwise ops."""
+    from lstrain.ops import gemm
+
+    m, k, n = 16384, 4096, 11008
+
+    def make(dtype):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+        b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen) * k**-0.5
+        bias = torch.randn(n, device="cuda", dtype=dtype, generator=gen)
+        return a, b, bias
+
+    def ours(epilogue):
+        def build(make):
+            a, b, bias = make(torch.bfloat16)
+            if epilogue:
+                return lambda: gemm(a, b, bias=bias, activation="gelu")
+            return lambda: gemm(a, b)
+
+        return build
+
+    def cublas(epilogue, compiled=False):
+        def build(make):
+            a, b, bias = make(torch.bfloat16)
+
+            def run():
+                d = a @ b
+                return torch.nn.functional.gelu(d + bias) if epilogue else d
+
+            if compiled:
+                torch._dynamo.reset()
+                run = torch.compile(run, dynamic=False)
+            return run
+
+        return build
+
+    flops = 2 * m * n * k
+    element = 2
+    plain = StepCase(
+        "gemm", f"{m} x {k} x {n} bf16", make,
+        {"lstrain": ours(False), "cuBLAS (torch.matmul)": cublas(False)},
+        (m * k + k * n + m * n) * element, flops=flops,
+    )  # fmt: skip
+    fused = StepCase(
+        "gemm", f"{m} x {k} x {n} bf16, bias + gelu", make,
+        {
+            "lstrain epilogue": ours(True),
+            "cuBLAS + eager bias, gelu": cublas(True),
+            "torch.compile": cublas(True, compiled=True),
+        },
+        (m * k + k * n + m * n + n) * element, flops=flops,
+    )  # fmt: skip
+    return [plain, fused]
+
+
+STEP_REGISTRY: dict[str, Callable[[], list[StepCase]]] = {"adamw": adamw_cases, "gemm": gemm_cases}
