@@ -6,6 +6,7 @@ from lstrain.nn.cross_entropy import CrossEntropyLoss
 from lstrain.nn.embedding import TransformerEmbedding, sinusoidal_positions
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.linear_cross_entropy import LinearCrossEntropyLoss
+from lstrain.nn.swiglu import SwiGLUMLP
 
 __all__ = [
     "AttentionSoftmax",
@@ -14,6 +15,7 @@ __all__ = [
     "CrossEntropyLoss",
     "LayerNorm",
     "LinearCrossEntropyLoss",
+    "SwiGLUMLP",
     "TransformerEmbedding",
     "sinusoidal_positions",
 ]

@@ -1,0 +1,248 @@
+"""SwiGLU MLP, y = (silu(x W_gate) * (x W_up)) W_down, with SwiGLU inside GEMM epilogues.
+
+The pair layout: gate and up projections live in one ``[D, 2F]`` matrix ``w_gate_up``
+whose columns alternate gate and up — column ``2i`` is gate unit ``i``, column ``2i + 1``
+is up unit ``i`` — so every output tile of ``x @ w_gate_up`` holds whole (gate, up) pairs.
+(:func:`pack_gate_up` builds it from the usual separate weights; ``lstrain.nn.SwiGLUMLP``
+keeps the familiar ``gate_proj`` / ``up_proj`` / ``down_proj`` state_dict keys.)
+
+Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue splits each tile into its gate and
+up halves and writes ``a = silu(gate) * up`` (half the width) and ``h`` itself, which
+backward needs; then ``y = a @ w_down`` (cuBLAS).
+
+Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved (gate, up)
+tile and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` as pairs
+(width doubles); dA itself never reaches memory. Then the usual GEMMs (cuBLAS): dx, dW_gate_up
+and dW_down.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+from lstrain.ops.gemm import gemm_plan, mainloop, tile_coordinates
+
+__all__ = ["SwiGLUFunction", "pack_gate_up", "swiglu_mlp", "swiglu_mlp_ref", "unpack_gate_up"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _pair_columns(units, BLOCK_F: tl.constexpr):
+    """The 2 * BLOCK_F columns of h holding the (gate, up) pairs of these units, in order."""
+    return tl.reshape(units[:, None] * 2 + tl.arange(0, 2)[None, :], (2 * BLOCK_F,))
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    a_ptr,
+    h_ptr,
+    M,
+    F,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wk,
+    stride_wn,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One tile of h = x @ w_gate_up ([M, 2F], 2 * BLOCK_F columns = BLOCK_F pairs) and of a."""
+    rows, units = tile_coordinates(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+    cols = _pair_columns(units, BLOCK_F)
+    acc = mainloop(
+        x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
+        IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
+    )  # fmt: skip
+    h = acc.to(h_ptr.dtype.element_ty)
+    pair_mask = (rows < M)[:, None] & (cols < 2 * F)[None, :]
+    tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h, mask=pair_mask)
+    # SwiGLU on the rounded h that backward will see, so that forward and backward agree.
+    gate, up = tl.split(tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_F, 2)))
+    a = gate * tl.sigmoid(gate) * up
+    mask = (rows < M)[:, None] & (units < F)[None, :]
+    tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    dy_ptr,
+    w_down_ptr,
+    h_ptr,
+    dh_ptr,
+    M,
+    F,
+    K,
+    stride_dym,
+    stride_dyk,
+    stride_wk,
+    stride_wn,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """dA = dy @ w_down^T tile by tile, turned in the epilogue into (dgate, dup) pairs."""
+    rows, units = tile_coordinates(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+    da = mainloop(
+        dy_ptr, w_down_ptr, rows, units, M, F, K, stride_dym, stride_dyk, stride_wk, stride_wn,
+        IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
+    )  # fmt: skip
+    cols = _pair_columns(units, BLOCK_F)
+    pair_mask = (rows < M)[:, None] & (cols < 2 * F)[None, :]
+    h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0).to(tl.float32)
+    gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_F, 2)))
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = da * silu
+    dh = tl.reshape(tl.join(d_gate, d_up), (BLOCK_M, 2 * BLOCK_F))
+    tl.store(dh_ptr + rows[:, None] * (2 * F) + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=pair_mask)
+
+
+def _plan(m: int, f: int, k: int, element_size: int):
+    plan = gemm_plan(m, 2 * f, k, element_size)
+    return max(16, plan.block_n // 2), plan  # block_f units = block_n pair columns
+
+
+def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype."""
+    m, k = x2d.shape
+    f = w_gate_up.shape[1] // 2
+    a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
+    h = torch.empty((m, 2 * f), dtype=x2d.dtype, device=x2d.device)
+    if m == 0 or f == 0:
+        return a, h
+    block_f, plan = _plan(m, f, k, x2d.element_size())
+    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(f, block_f),)
+    _swiglu_fwd_kernel[grid](
+        x2d, w_gate_up, a, h, m, f, k,
+        x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
+        IEEE=x2d.dtype == torch.float32,
+        BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    return a, h
+
+
+def swiglu_bwd_pairs(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh [M, 2F] in pair layout from dy [M, D], w_down [F, D] and the saved h."""
+    m, d = dy2d.shape
+    f = w_down.shape[0]
+    dh = torch.empty((m, 2 * f), dtype=h.dtype, device=h.device)
+    if m == 0 or f == 0:
+        return dh
+    block_f, plan = _plan(m, f, d, dy2d.element_size())
+    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(f, block_f),)
+    _swiglu_bwd_kernel[grid](
+        dy2d, w_down, h, dh, m, f, d,
+        dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
+        IEEE=dy2d.dtype == torch.float32,
+        BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    return dh
+
+
+@torch.library.custom_op("lstrain::swiglu_fwd", mutates_args=())
+def _fwd_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_fwd(x2d, w_gate_up)
+
+
+@_fwd_op.register_fake
+def _(x2d, w_gate_up):
+    f = w_gate_up.shape[1] // 2
+    return x2d.new_empty((x2d.shape[0], f)), x2d.new_empty((x2d.shape[0], 2 * f))
+
+
+@torch.library.custom_op("lstrain::swiglu_bwd_pairs", mutates_args=())
+def _bwd_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return swiglu_bwd_pairs(dy2d, w_down, h)
+
+
+@_bwd_op.register_fake
+def _(dy2d, w_down, h):
+    return torch.empty_like(h)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Autograd for :func:`swiglu_mlp`; saves x, the weights, h and a."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down):
+        x2d = x.reshape(-1, x.shape[-1])
+        a, h = (_fwd_op if torch.compiler.is_compiling() else swiglu_fwd)(x2d, w_gate_up)
+        y = a @ w_down
+        ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
+        ctx.x_shape = x.shape
+        return y.view(*x.shape[:-1], w_down.shape[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dh = (_bwd_op if torch.compiler.is_compiling() else swiglu_bwd_pairs)(dy2d, w_down, h)
+        dx = (dh @ w_gate_up.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dw_gate_up = x2d.t() @ dh if ctx.needs_input_grad[1] else None
+        dw_down = a.t() @ dy2d if ctx.needs_input_grad[2] else None
+        return dx, dw_gate_up, dw_down
+
+
+def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """``[D, 2F]`` pair layout from ``[D, F]`` gate and up matrices (x @ w convention)."""
+    return torch.stack((w_gate, w_up), dim=-1).reshape(w_gate.shape[0], -1)
+
+
+def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[D, F]`` gate and up matrices (views) of a pair-layout ``[D, 2F]`` matrix."""
+    return w_gate_up[:, 0::2], w_gate_up[:, 1::2]
+
+
+def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``(silu(x @ W_gate) * (x @ W_up)) @ w_down`` with SwiGLU fused into GEMM epilogues.
+
+    Args:
+        x: ``[*, D]``, float16/bfloat16/float32.
+        w_gate_up: ``[D, 2F]`` in the pair layout (see :func:`pack_gate_up`), x's dtype.
+        w_down: ``[F, D_out]``, x's dtype.
+
+    Returns:
+        ``[*, D_out]`` in x's dtype.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or devices.
+    """
+    if x.dtype not in _SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(
+            f"swiglu_mlp: x, w_gate_up and w_down must share a float dtype, got {x.dtype}, {w_gate_up.dtype}, "
+            f"{w_down.dtype}"
+        )
+    if w_gate_up.dim() != 2 or w_gate_up.shape[0] != x.shape[-1] or w_gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu_mlp: w_gate_up must be [D, 2F] with D = {x.shape[-1]}, got {tuple(w_gate_up.shape)}")
+    if w_down.dim() != 2 or 2 * w_down.shape[0] != w_gate_up.shape[1]:
+        raise ValueError(
+            f"swiglu_mlp: w_down must be [F, D_out] with F = {w_gate_up.shape[1] // 2}, got {tuple(w_down.shape)}"
+        )
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.device != x.device:
+            raise ValueError(f"swiglu_mlp: {name} is on {t.device} but x is on {x.device}")
+    backend = _backend.backend_for(x)
+    _backend.note("swiglu_mlp", backend)
+    if backend == "reference":
+        return swiglu_mlp_ref(x, w_gate_up, w_down)
+    return SwiGLUFunction.apply(x, w_gate_up, w_down)
+
+
+def swiglu_mlp_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch with the separate gate and up matrices."""
+    w_gate, w_up = unpack_gate_up(w_gate_up)
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
