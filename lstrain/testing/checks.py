@@ -31,6 +31,8 @@ from lstrain.ops import (
     layer_norm_ref,
     linear_cross_entropy,
     linear_cross_entropy_ref,
+    swiglu_mlp,
+    swiglu_mlp_ref,
 )
 from lstrain.ops.dropout import dropout_mask
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
@@ -44,6 +46,7 @@ from lstrain.testing.strategies import (
     gemm_cases,
     layer_norm_cases,
     linear_cross_entropy_cases,
+    swiglu_cases,
 )
 
 __all__ = ["OP_CHECKS", "CheckResult", "OpCheck"]
@@ -63,19 +66,15 @@ class OpCheck:
     cases: Callable[[str, torch.dtype | None], st.SearchStrategy[dict]]
     run: Callable[[dict, str], CheckResult]
     cpu_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    sizes: Callable[[dict], tuple[int, ...]] = lambda case: case["shape"]
 
     def dtypes(self, device: str) -> tuple[torch.dtype, ...]:
         """The dtypes worth checking on ``device``."""
         return self.cpu_dtypes if device == "cpu" else FLOAT_DTYPES
 
     def describe(self, case: dict) -> str:
-        if "shape" in case:
-            return "x".join(str(n) for n in case["shape"])
-        if "hidden" in case:
-            return f"{case['tokens']}x{case['hidden']}x{case['vocab']}"
-        if "mnk" in case:
-            return "x".join(str(n) for n in case["mnk"])
-        return "x".join(str(n) for n in case["tokens"]) + f"x{case['dim']}"
+        """The case's sizes, e.g. ``4x1024`` (the table of ``lstrain check``)."""
+        return "x".join(str(n) for n in self.sizes(case))
 
 
 def _atol(dtype: torch.dtype, device: str) -> float:
@@ -294,13 +293,46 @@ def _run_gemm(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_swiglu(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    m, d, f, dtype = case["tokens"], case["hidden"], case["intermediate"], case["dtype"]
+    inputs = {
+        "x": _randn((m, d), gen, device, dtype),
+        "w_gate_up": _randn((d, 2 * f), gen, device, dtype) * d**-0.5,
+        "w_down": _randn((f, d), gen, device, dtype) * f**-0.5,
+    }
+
+    def run(fn):
+        return lambda **kw: fn(kw["x"], kw["w_gate_up"], kw["w_down"])
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(swiglu_mlp), run(swiglu_mlp_ref), inputs, atol=_atol(dtype, device), generator=gen
+        )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
-    "linear_cross_entropy": OpCheck("linear_cross_entropy", linear_cross_entropy_cases, _run_linear_cross_entropy),
+    "linear_cross_entropy": OpCheck(
+        "linear_cross_entropy",
+        linear_cross_entropy_cases,
+        _run_linear_cross_entropy,
+        sizes=lambda case: (case["tokens"], case["hidden"], case["vocab"]),
+    ),
     "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
     "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
-    "embedding": OpCheck("embedding", embedding_cases, _run_embedding),
-    "gemm": OpCheck("gemm", gemm_cases, _run_gemm, cpu_dtypes=GEMM_CPU_DTYPES),
+    "embedding": OpCheck(
+        "embedding", embedding_cases, _run_embedding, sizes=lambda case: (*case["tokens"], case["dim"])
+    ),
+    "gemm": OpCheck("gemm", gemm_cases, _run_gemm, cpu_dtypes=GEMM_CPU_DTYPES, sizes=lambda case: case["mnk"]),
+    "swiglu_mlp": OpCheck(
+        "swiglu_mlp",
+        swiglu_cases,
+        _run_swiglu,
+        cpu_dtypes=GEMM_CPU_DTYPES,
+        sizes=lambda case: (case["tokens"], case["hidden"], case["intermediate"]),
+    ),
 }

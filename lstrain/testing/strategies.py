@@ -25,6 +25,7 @@ __all__ = [
     "register_profiles",
     "row_widths",
     "seeds",
+    "swiglu_cases",
     "size_limits",
 ]
 
@@ -238,5 +239,19 @@ def gemm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> d
         "alpha": draw(st.sampled_from([1.0, 0.5, -2.0])),
         "beta": draw(st.sampled_from([0.0, 1.0, 0.3])),
         "activation": draw(st.sampled_from([None, "relu", "gelu", "gelu_tanh", "silu"])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def swiglu_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A SwiGLU MLP case: tokens, hidden size D, intermediate size F (fp32/fp16 on the CPU)."""
+    small = device == "cpu"
+    size = st.integers(1, 80 if small else 768)
+    return {
+        "tokens": draw(size),
+        "hidden": draw(size),
+        "intermediate": draw(size),
+        "dtype": dtype or draw(st.sampled_from(GEMM_CPU_DTYPES if small else FLOAT_DTYPES)),
         "seed": draw(seeds()),
     }

@@ -1,0 +1,113 @@
+import pytest
+import torch
+from hypothesis import example, given
+
+import lstrain
+from lstrain.ops import swiglu_mlp, swiglu_mlp_ref
+from lstrain.ops.swiglu import pack_gate_up, unpack_gate_up
+from lstrain.testing import assert_all_passed
+from lstrain.testing.checks import OP_CHECKS
+from lstrain.testing.strategies import swiglu_cases
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+CHECK = OP_CHECKS["swiglu_mlp"]
+
+
+@given(case=swiglu_cases(DEVICE))
+@example(case={"tokens": 1, "hidden": 1, "intermediate": 1, "dtype": torch.float32, "seed": 0})
+@example(case={"tokens": 70, "hidden": 33, "intermediate": 65, "dtype": torch.float16, "seed": 1})
+def test_matches_torch(case):
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+def test_pair_layout_round_trip(device):
+    gate, up = torch.randn(6, 4, device=device), torch.randn(6, 4, device=device)
+    packed = pack_gate_up(gate, up)
+    assert packed.shape == (6, 8) and torch.equal(packed[:, 0], gate[:, 0]) and torch.equal(packed[:, 1], up[:, 0])
+    g, u = unpack_gate_up(packed)
+    assert torch.equal(g, gate) and torch.equal(u, up)
+
+
+class _HFStyleMLP(torch.nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(d, f, bias=False)
+        self.up_proj = torch.nn.Linear(d, f, bias=False)
+        self.down_proj = torch.nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_module_loads_and_saves_separate_weights(device):
+    theirs = _HFStyleMLP(16, 40).to(device)
+    ours = lstrain.nn.SwiGLUMLP(16, 40, device=device)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    y = ours(x)
+    torch.testing.assert_close(y, theirs(x))
+    y.sum().backward()
+    assert x.grad.shape == x.shape and ours.gate_up_weight.grad.shape == (80, 16)
+    again = _HFStyleMLP(16, 40).to(device)
+    again.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(again(x), theirs(x))
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((4, 8), (8, 11), (5, 8)), "w_gate_up must be \\[D, 2F\\]"),
+        (((4, 8), (7, 10), (5, 8)), "w_gate_up must be"),
+        (((4, 8), (8, 10), (4, 8)), "w_down must be \\[F, D_out\\] with F = 5"),
+    ],
+)
+def test_bad_shapes(device, shapes, match):
+    x, w, wd = (torch.randn(s, device=device) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        swiglu_mlp(x, w, wd)
+
+
+def test_dtype_mismatch(device):
+    with pytest.raises(ValueError, match="share a float dtype"):
+        swiglu_mlp(
+            torch.randn(2, 4, device=device), torch.randn(4, 6, device=device).half(), torch.randn(3, 4, device=device)
+        )
+
+
+def test_torch_compile_fullgraph(device):
+    w = torch.randn(8, 12, device=device, requires_grad=True)
+    wd = torch.randn(6, 8, device=device, requires_grad=True)
+
+    def f(x):
+        return swiglu_mlp(x, w, wd).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x = torch.randn(5, 8, device=device)
+    out = compiled(x)
+    grads = torch.autograd.grad(out, (w, wd))
+    ref_out = f(x)
+    ref_grads = torch.autograd.grad(ref_out, (w, wd))
+    torch.testing.assert_close(out, ref_out)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_custom_ops_pass_opcheck(device):
+    x, w, wd = torch.randn(5, 8, device=device), torch.randn(8, 12, device=device), torch.randn(6, 8, device=device)
+    torch.library.opcheck(torch.ops.lstrain.swiglu_fwd, (x, w))
+    _, h = torch.ops.lstrain.swiglu_fwd(x, w)
+    torch.library.opcheck(torch.ops.lstrain.swiglu_bwd_pairs, (torch.randn(5, 8, device=device), wd, h))
+
+
+def test_reference_is_the_familiar_mlp(device):
+    x = torch.randn(3, 8, device=device)
+    gate, up, down = (
+        torch.randn(8, 5, device=device),
+        torch.randn(8, 5, device=device),
+        torch.randn(5, 8, device=device),
+    )
+    expected = (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
+    torch.testing.assert_close(swiglu_mlp_ref(x, pack_gate_up(gate, up), down), expected)
