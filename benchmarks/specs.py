@@ -19,6 +19,7 @@ from lstrain.ops import (
     embedding,
     layer_norm,
     linear_cross_entropy,
+    swiglu_mlp,
 )
 
 
@@ -232,6 +233,41 @@ def embedding_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     return [case]
 
 
+def swiglu_mlp_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    tokens, dim, hidden = 16384, 4096, 11008
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(tokens, dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        w_gate_up = (
+            torch.randn(dim, 2 * hidden, device="cuda", dtype=dtype, generator=gen) * dim**-0.5
+        ).requires_grad_()
+        w_down = (torch.randn(hidden, dim, device="cuda", dtype=dtype, generator=gen) * hidden**-0.5).requires_grad_()
+        return {"x": x, "w_gate_up": w_gate_up, "w_down": w_down}
+
+    def eager(x, w_gate_up, w_down):
+        h = x @ w_gate_up
+        return (torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]) @ w_down
+
+    impls = {"lstrain": swiglu_mlp, "eager": eager, "torch.compile": eager}
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        pass
+    else:
+
+        def liger(x, w_gate_up, w_down):
+            h = x @ w_gate_up
+            return LigerSiLUMulFunction.apply(h[:, 0::2], h[:, 1::2]) @ w_down
+
+        impls["liger"] = liger
+    element = torch.finfo(dtype).bits // 8
+    flops = 3 * 2 * tokens * dim * 3 * hidden  # forward and backward: three GEMMs each over 3 x D x F
+    min_bytes = (2 * tokens * dim + 3 * dim * hidden) * element * 2
+    label = f"{tokens} x {dim} x {hidden}"
+    return [BenchCase("swiglu_mlp", label, make, ["x", "w_gate_up", "w_down"], impls, min_bytes, 19.5, flops)]
+
+
 REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "attention_softmax": attention_softmax_cases,
@@ -239,6 +275,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "cross_entropy": cross_entropy_cases,
     "embedding": embedding_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
+    "swiglu_mlp": swiglu_mlp_cases,
 }
 
 
