@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import as_rows, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.dropout import check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [

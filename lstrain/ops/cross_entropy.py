@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.layout import as_rows
 
 __all__ = [
     "CrossEntropyFunction",
@@ -225,11 +226,6 @@ def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
     return CrossEntropyPlan(block, num_warps=max(1, min(16, block // 512)))
 
 
-def _as_rows(logits: torch.Tensor) -> torch.Tensor:
-    rows = logits.reshape(-1, logits.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def cross_entropy_fwd(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -254,7 +250,7 @@ def cross_entropy_fwd(
         ``(loss, stats)``: the fp32 per-row loss [rows], and fp32 [2, rows] holding each
         row's max and its sum of exp(x - max).
     """
-    x = _as_rows(logits)
+    x = as_rows(logits, logits.shape[-1])
     rows, vocab = x.shape
     flat_target = target.reshape(-1).contiguous()  # the kernel reads targets at unit stride
     loss = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -288,7 +284,7 @@ def cross_entropy_bwd(
     plan: CrossEntropyPlan | None = None,
 ) -> torch.Tensor:
     """Gradient of the unreduced loss (``reduction="none"``): a new [*, V] tensor."""
-    x = _as_rows(logits)
+    x = as_rows(logits, logits.shape[-1])
     rows, vocab = x.shape
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if rows == 0:

@@ -18,7 +18,6 @@ import triton.language as tl
 
 __all__ = [
     "ElementwisePlan",
-    "as_rows",
     "check_dropout_inputs",
     "dropout_keep",
     "dropout_mask",
@@ -78,12 +77,6 @@ def elementwise_plan(cols: int) -> ElementwisePlan:
     tiles, 4 warps (16 values per thread), at most 1024 columns wide."""
     block_cols = min(1024, triton.next_power_of_2(cols))
     return ElementwisePlan(max(1, 4096 // block_cols), block_cols, num_warps=4)
-
-
-def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """2-D [rows, cols] view of ``t`` (a copy only when the last dim is strided)."""
-    rows = t.reshape(-1, cols)
-    return rows if rows.stride(-1) == 1 or cols == 1 else rows.contiguous()
 
 
 def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: float) -> None:

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
@@ -259,12 +260,6 @@ def layer_norm_bwd_plan(cols: int) -> LayerNormPlan:
     return LayerNormPlan(max(1, 4096 // block_cols), block_cols, warps, True, programs_per_sm, num_stages=3)
 
 
-def _as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """2-D [rows, cols] view of ``t`` (a copy only when the last dim is strided)."""
-    t2d = t.reshape(-1, cols)
-    return t2d if t2d.stride(-1) == 1 or cols == 1 else t2d.contiguous()
-
-
 def layer_norm_fwd(
     x: torch.Tensor,
     normalized_shape: Sequence[int],
@@ -279,7 +274,7 @@ def layer_norm_fwd(
         ``(y, stats)``: y shaped and typed like ``x``; stats fp32 [2, rows], mean then rstd.
     """
     cols = math.prod(normalized_shape)
-    x2d = _as_rows(x, cols)
+    x2d = as_rows(x, cols)
     rows = x2d.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
@@ -318,8 +313,8 @@ def layer_norm_bwd(
         default ``x.dtype``).
     """
     cols = math.prod(normalized_shape)
-    x2d = _as_rows(x, cols)
-    dy2d = _as_rows(dy, cols)
+    x2d = as_rows(x, cols)
+    dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     plan = plan or layer_norm_bwd_plan(cols)

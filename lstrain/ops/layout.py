@@ -1,0 +1,14 @@
+"""Tensor layout helpers shared by the ops' launchers."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["as_rows"]
+
+
+def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """2-D ``[rows, cols]`` view of ``t``: kernels take any row stride, but need the last
+    dim contiguous, so this copies only when it is not."""
+    rows = t.reshape(-1, cols)
+    return rows if rows.stride(-1) == 1 or cols == 1 else rows.contiguous()
