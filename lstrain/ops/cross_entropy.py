@@ -400,7 +400,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         options = (label_smoothing, ignore_index, z_loss)
         needs_grad = ctx.needs_input_grad[0]
         grad_scale = reduction if needs_grad and reduction != "none" else None
-        valid_rows = (target != ignore_index).sum()
+        # only a mean needs the count: one reduction kernel fewer per call otherwise
+        valid_rows = (target != ignore_index).sum() if reduction == "mean" else None
         grad_out = None
         if grad_scale is not None and not torch.compiler.is_compiling():
             in_place = inplace_backward and logits.is_contiguous()

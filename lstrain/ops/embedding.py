@@ -240,16 +240,19 @@ def embedding_bwd(
     seed: torch.Tensor | None,
     p: float,
     deterministic: bool,
+    weight_grad: bool,
     pos_grad: bool,
 ) -> list[torch.Tensor]:
-    """``[dweight]``, plus dpos_weight when ``pos_grad``."""
+    """dweight if ``weight_grad``, then dpos_weight if ``pos_grad`` (a list of 0 to 2)."""
     dim = dy.shape[-1]
     dy2d = dy.reshape(-1, dim).contiguous()
     flat = ids.reshape(-1).contiguous()
     seq_len = ids.shape[-1] if ids.dim() else 1
-    grads = [
-        _table_gradient(dy2d, flat, weight_rows, weight_dtype, seq_len, padding_idx, scale, seed, p, deterministic)
-    ]
+    grads = []
+    if weight_grad:
+        grads.append(
+            _table_gradient(dy2d, flat, weight_rows, weight_dtype, seq_len, padding_idx, scale, seed, p, deterministic)
+        )
     if pos_grad:
         flat_positions = None if positions is None else positions.reshape(-1).contiguous()
         if flat_positions is not None or padding_idx >= 0:
@@ -297,11 +300,12 @@ def _bwd_op(
     seed: torch.Tensor | None,
     p: float,
     deterministic: bool,
+    weight_grad: bool,
     pos_grad: bool,
 ) -> list[torch.Tensor]:
     return embedding_bwd(
         dy, ids, weight_rows, weight_dtype, pos_rows, pos_dtype, positions, scale, padding_idx, seed, p,
-        deterministic, pos_grad,
+        deterministic, weight_grad, pos_grad,
     )  # fmt: skip
 
 
@@ -319,9 +323,10 @@ def _(
     seed,
     p,
     deterministic,
+    weight_grad,
     pos_grad,
 ):
-    grads = [dy.new_empty((weight_rows, dy.shape[-1]), dtype=weight_dtype)]
+    grads = [dy.new_empty((weight_rows, dy.shape[-1]), dtype=weight_dtype)] if weight_grad else []
     return grads + ([dy.new_empty((pos_rows, dy.shape[-1]), dtype=pos_dtype)] if pos_grad else [])
 
 
@@ -343,7 +348,7 @@ class EmbeddingFunction(torch.autograd.Function):
         ids, positions, seed = ctx.saved_tensors
         scale, padding_idx, p, deterministic = ctx.options
         rows, dtype, pos_rows = ctx.tables
-        pos_grad = ctx.needs_input_grad[2]
+        weight_grad, pos_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         bwd = _bwd_op if torch.compiler.is_compiling() else embedding_bwd
         grads = bwd(
             dy,
@@ -358,10 +363,12 @@ class EmbeddingFunction(torch.autograd.Function):
             seed,
             p,
             deterministic,
+            weight_grad,
             pos_grad,
         )
-        dweight = grads[0] if ctx.needs_input_grad[1] else None
-        return None, dweight, grads[1] if pos_grad else None, None, None, None, None, None, None
+        dweight = grads[0] if weight_grad else None
+        dpos_weight = grads[-1] if pos_grad else None
+        return None, dweight, dpos_weight, None, None, None, None, None, None
 
 
 def _check_ids(name: str, ids: torch.Tensor, rows: int, skip: int | None) -> None:

@@ -106,7 +106,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
         grad_scale = reduction if any(needs) and reduction != "none" else None
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        valid_rows = (target != ignore_index).sum()
+        # only a mean needs the count: one reduction kernel fewer per call otherwise
+        valid_rows = (target != ignore_index).sum() if reduction == "mean" else None
         grads = _ChunkGradients(hidden, weight, needs) if grad_scale is not None else None
         for rows in _chunks(tokens, vocab, hidden, chunk_bytes):
             logits = _chunk_logits(hidden[rows], weight, bias)

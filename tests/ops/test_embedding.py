@@ -91,6 +91,15 @@ def test_padding_rows_are_zero_and_get_no_gradient(device):
     assert torch.equal(pos_weight.grad[1], torch.ones(4, device=device))
 
 
+def test_frozen_token_table_gets_only_the_position_gradient(device):
+    tokens = torch.tensor([[1, 2, 1]], device=device)
+    weight = torch.randn(4, 3, device=device)  # frozen
+    pos_weight = torch.randn(3, 3, device=device, requires_grad=True)
+    embedding(tokens, weight, pos_weight=pos_weight, scale=2.0).sum().backward()
+    assert weight.grad is None
+    assert torch.equal(pos_weight.grad, torch.ones(3, 3, device=device))
+
+
 def test_unchecked_bad_ids_give_nan_rows(device):
     tokens = torch.tensor([[1, 9, 2]], device=device)
     weight = torch.randn(5, 3, device=device)
@@ -161,5 +170,5 @@ def test_custom_ops_pass_opcheck(device):
     seed = torch.tensor([3], dtype=torch.int64, device=device)
     torch.library.opcheck(torch.ops.lstrain.embedding_fwd, (tokens, weight, pos_weight, None, 2.0, 1, seed, 0.1))
     dy = torch.randn(2, 5, 8, device=device)
-    args = (dy, tokens, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1, True, True)
+    args = (dy, tokens, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1, True, True, True)
     torch.library.opcheck(torch.ops.lstrain.embedding_bwd, args)
