@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -100,7 +101,7 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
             torch._dynamo.reset()
             fn = torch.compile(fn, dynamic=False)
         out = fn(**inputs)
-        dy = torch.randn_like(out)
+        dy = torch.ones_like(out) if case.unit_grad_output else torch.randn_like(out)
         if reference is None or not case.same_outputs:
             reference = out.detach().float()
         else:
@@ -143,11 +144,13 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
     return rows
 
 
-def run_step_case(case: StepCase, bandwidth: float) -> list[dict]:
+def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> list[dict]:
     """Forward-only work (optimizer steps, GEMMs): do_bench of one call per implementation,
     each built on fresh inputs."""
     rows = []
     for name, build in case.implementations.items():
+        if only and name not in only:
+            continue
         step = build(case.make)
         step()
         ms = do_bench(step, warmup=25, rep=200, return_mode="median")
@@ -220,18 +223,21 @@ def main() -> None:
     }
     print(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}: copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
+    only = set(args.impl) if args.impl else None
     for op in args.op or [*REGISTRY, *STEP_REGISTRY]:
-        if op in STEP_REGISTRY:
-            for case in STEP_REGISTRY[op]():
-                rows.extend(run_step_case(case, bandwidth))
-            continue
-        for case in REGISTRY[op]():
-            rows.extend(run_case(case, bandwidth, set(args.impl) if args.impl else None))
+        cases = STEP_REGISTRY[op]() if op in STEP_REGISTRY else REGISTRY[op]()
+        run = run_step_case if op in STEP_REGISTRY else run_case
+        for case in cases:
+            try:
+                rows.extend(run(case, bandwidth, only))
+            except Exception:  # one broken case must not cost the figures of the others
+                traceback.print_exc()
+                print(f"{op} {case.label}: failed, see the traceback above", flush=True)
             torch.cuda.empty_cache()
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    table = markdown(rows)
-    (args.out / "results.md").write_text(table + "\n")
-    print(table)
+            # Written after every case so that a run stopped part-way still leaves its figures.
+            (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            (args.out / "results.md").write_text(markdown(rows) + "\n")
+    print(markdown(rows))
 
 
 if __name__ == "__main__":

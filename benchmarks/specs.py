@@ -34,6 +34,7 @@ class BenchCase:
     target_ms: float | None = None
     flops: int = 0
     same_outputs: bool = True  # False where implementations draw different dropout masks
+    unit_grad_output: bool = False  # a loss: backward from dy = 1, as loss.backward() runs it
 
 
 def _liger_layer_norm():
@@ -133,12 +134,13 @@ def cross_entropy_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
             "torch.compile": eager,
         }
         if (liger := _liger("cross_entropy", "LigerCrossEntropyLoss", label_smoothing=0.1)) is not None:
-            impls["liger"] = liger
+            impls["liger"] = lambda logits, target, liger=liger: liger(logits, target)
         element = torch.finfo(dtype).bits // 8
         # read the logits once, write their gradient once
         label = f"{tokens} x {vocab}, smoothing 0.1, 5% ignored"
+        min_bytes = 2 * tokens * vocab * element
         cases.append(
-            BenchCase("cross_entropy", label, make, ["logits"], impls, 2 * tokens * vocab * element, target_ms)
+            BenchCase("cross_entropy", label, make, ["logits"], impls, min_bytes, target_ms, unit_grad_output=True)
         )
     return cases
 
@@ -165,8 +167,9 @@ def linear_cross_entropy_cases(dtype: torch.dtype = torch.bfloat16) -> list[Benc
     # hidden and weight read, their gradients written; three GEMMs of 2*N*D*V flops
     min_bytes = 2 * (tokens * dim + vocab * dim) * element
     label = f"{tokens} x {dim} -> {vocab}, smoothing 0.1"
+    flops = 6 * tokens * dim * vocab
     case = BenchCase(
-        "linear_cross_entropy", label, make, ["hidden", "weight"], impls, min_bytes, 45.0, 6 * tokens * dim * vocab
+        "linear_cross_entropy", label, make, ["hidden", "weight"], impls, min_bytes, 45.0, flops, unit_grad_output=True
     )
     return [case]
 
@@ -293,14 +296,19 @@ class StepCase:
     flops: int = 0
 
 
-def gpt2_medium_parameters(dtype: torch.dtype) -> list[torch.nn.Parameter]:
-    """GPT-2 medium's 292 parameter tensors (355M values) with random gradients."""
+def gpt2_medium_shapes() -> list[tuple[int, ...]]:
+    """GPT-2 medium's 292 parameter shapes (354.8M values)."""
     dim, layers, vocab, positions = 1024, 24, 50257, 1024
     shapes = [(vocab, dim), (positions, dim)]
     for _ in range(layers):
         shapes += [(dim,), (dim,), (dim, 3 * dim), (3 * dim,), (dim, dim), (dim,)]
         shapes += [(dim,), (dim,), (dim, 4 * dim), (4 * dim,), (4 * dim, dim), (dim,)]
-    shapes += [(dim,), (dim,)]
+    return shapes + [(dim,), (dim,)]
+
+
+def gpt2_medium_parameters(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """GPT-2 medium's parameters with random gradients."""
+    shapes = gpt2_medium_shapes()
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = []
     for shape in shapes:
@@ -346,8 +354,8 @@ def adamw_cases() -> list[StepCase]:
         "torch foreach fp32": torch_fp32(foreach=True),
         "torch fused fp32 master + copy to bf16": torch_fused_master_copy,
     }
-    # bf16 param read + written, bf16 grad read, fp32 master + two moments read and written
-    min_bytes = 355_000_000 * (2 + 2 + 2 + 3 * 8)
+    # bf16 grad read, bf16 param written, fp32 master and two moments read and written
+    min_bytes = sum(math.prod(shape) for shape in gpt2_medium_shapes()) * (2 + 2 + 3 * 8)
     return [StepCase("adamw", "GPT-2 medium, 292 tensors", gpt2_medium_parameters, impls, min_bytes, 2.55)]
 
 

@@ -3,7 +3,8 @@
     python -m benchmarks.sweep [--quick]
 
 Evidence for the constants of the plan functions (``layer_norm_fwd_plan``,
-``layer_norm_bwd_plan``, ``attention_softmax_plan``): each kernel alone, one launch
+``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``), and where
+the time of the dropout ops goes: each kernel alone, one launch
 captured in a CUDA graph and replayed under ``do_bench`` (L2 flushed, median), at the
 shapes of the targets. Prints the best plans first for each kernel and shape.
 """
@@ -23,6 +24,10 @@ from lstrain.ops.attention_softmax import (
     attention_softmax_fwd,
     attention_softmax_plan,
 )
+from lstrain.ops.bias_dropout_residual import bias_dropout_residual_fwd, dropout_bwd
+from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_fwd, cross_entropy_plan, scale_gradient_
+from lstrain.ops.dropout import ElementwisePlan, elementwise_plan, new_seed
+from lstrain.ops.embedding import embedding_bwd, embedding_fwd
 from lstrain.ops.layer_norm import (
     LayerNormPlan,
     layer_norm_bwd,
@@ -48,10 +53,85 @@ def report(name: str, results: list[tuple[float, object]], default) -> None:
         print(f"   {us:8.2f} us  {plan}")
 
 
+def sweep_cross_entropy(quick: bool) -> None:
+    for tokens, vocab in ((16384, 50257), (8192, 128256)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
+        target = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+        grad = torch.empty_like(logits)
+        valid = (target >= 0).sum()
+        default = cross_entropy_plan(vocab)
+        for write_grad in (True, False):
+            results = []
+            for block, warps, stages in itertools.product((4096, 8192), (4, 8, 16, 32), (1, 3)):
+                if block // (warps * 32) < 4 or block // (warps * 32) > 64:
+                    continue
+                plan = CrossEntropyPlan(block, warps, stages)
+                if quick and (block, warps) != (default.block, default.num_warps):
+                    continue
+                run = functools.partial(
+                    cross_entropy_fwd, logits, target, 0.1, -100, 0.0,
+                    "mean" if write_grad else None, grad if write_grad else None, valid, plan=plan,
+                )  # fmt: skip
+                results.append((graph_us(run), plan))
+            what = "loss + gradient" if write_grad else "loss only"
+            report(f"cross_entropy fwd {tokens}x{vocab} bf16, {what}", results, default)
+        scale = functools.partial(scale_gradient_, grad, torch.tensor(0.5, device="cuda"))
+        print(f"== scale_gradient_ {tokens}x{vocab}: {graph_us(scale):8.2f} us")
+        del logits, grad
+
+
+def time_dropout_kernels() -> None:
+    rows, cols = 16384, 4096
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    seed = new_seed("cuda")
+    for p in (0.0, 0.1):
+        fwd = functools.partial(bias_dropout_residual_fwd, x, bias, residual, seed, p, p > 0)
+        bwd = functools.partial(dropout_bwd, x, seed, p, p > 0, True, torch.bfloat16)
+        print(f"== bias_dropout_residual {rows}x{cols} dropout {p}: fwd {graph_us(fwd):8.2f} us, "
+              f"bwd (+ dbias) {graph_us(bwd):8.2f} us")  # fmt: skip
+    results = []
+    for block_rows, warps, per_sm, stages in itertools.product((1, 4), (4, 8), (2, 4, 8), (1, 3)):
+        plan = ElementwisePlan(block_rows, 1024, warps, per_sm, stages)
+        results.append((graph_us(functools.partial(dropout_bwd, x, seed, 0.1, True, True, torch.bfloat16, plan)), plan))
+    report(f"dropout bwd (+ dbias) {rows}x{cols} dropout 0.1", results, elementwise_plan(cols))
+    vocab, dim, tokens, seq = 50257, 1024, 16384, 2048
+    ids = torch.randint(0, vocab, (tokens // seq, seq), device="cuda")
+    weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16)
+    pos_weight = torch.randn(seq, dim, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens // seq, seq, dim, device="cuda", dtype=torch.bfloat16)
+    fwd = functools.partial(embedding_fwd, ids, weight, pos_weight, None, 32.0, -1, seed, 0.1)
+    print(f"== embedding V {vocab} D {dim}, {tokens} tokens, dropout 0.1: fwd {graph_us(fwd):8.2f} us")
+    for deterministic in (False, True):
+        for weight_grad, pos_grad in ((True, False), (False, True), (True, True)):
+            bwd = functools.partial(
+                embedding_bwd, dy, ids, vocab, torch.bfloat16, seq, torch.bfloat16, None, 32.0, -1, seed, 0.1,
+                deterministic, weight_grad, pos_grad,
+            )  # fmt: skip
+            print(f"   bwd deterministic={deterministic} weight={weight_grad} positions={pos_grad}: "
+                  f"{graph_us(bwd):8.2f} us")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="only vary the pipelining depth of the default plans")
+    choices = ("layer_norm", "attention_softmax", "cross_entropy", "dropout")
+    parser.add_argument("--op", action="append", choices=choices)
     args = parser.parse_args()
+    ops = args.op or choices
+    if "cross_entropy" in ops:
+        sweep_cross_entropy(args.quick)
+    if "dropout" in ops:
+        time_dropout_kernels()
+    if "layer_norm" in ops:
+        sweep_layer_norm(args.quick)
+    if "attention_softmax" in ops:
+        sweep_attention_softmax(args.quick)
+
+
+def sweep_layer_norm(quick: bool) -> None:
     dtype = torch.bfloat16
     for cols in (1024, 4096, 8192):
         rows = 16384
@@ -61,7 +141,7 @@ def main() -> None:
         dy = torch.randn_like(x)
         _, stats = layer_norm_fwd(x, (cols,), w, b, 1e-5)
         results = []
-        for block_rows, warps in [] if args.quick else itertools.product((1, 2, 4, 8), (2, 4, 8)):
+        for block_rows, warps in [] if quick else itertools.product((1, 2, 4, 8), (2, 4, 8)):
             if block_rows * cols > 16384 or block_rows * cols // (warps * 32) < 8:
                 continue
             plan = LayerNormPlan(block_rows, cols, warps, True)
@@ -78,17 +158,21 @@ def main() -> None:
                 default.num_warps,
                 default.programs_per_sm,
             )
-            if args.quick and not near_default:
+            if quick and not near_default:
                 continue
             run = functools.partial(layer_norm_bwd, dy, x, w, stats, (cols,), True, True, None, plan=plan)
             results.append((graph_us(run), plan))
         report(f"layer_norm bwd {rows}x{cols}", results, default)
         del x, dy
+
+
+def sweep_attention_softmax(quick: bool) -> None:
+    dtype = torch.bfloat16
     scores = torch.randn(8, 16, 1024, 1024, device="cuda", dtype=dtype)
     y = attention_softmax_fwd(scores, None, None, 0.125, True)
     dy = torch.randn_like(y)
     fwd, bwd = [], []
-    for block_rows, warps in itertools.product((1,) if args.quick else (1, 2, 4), (1, 2, 4, 8)):
+    for block_rows, warps in itertools.product((1,) if quick else (1, 2, 4), (1, 2, 4, 8)):
         if block_rows * 1024 // (warps * 32) < 4:
             continue
         plan = AttentionSoftmaxPlan(block_rows, 1024, warps)

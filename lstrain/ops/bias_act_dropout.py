@@ -54,7 +54,8 @@ def _bias_act_dropout_fwd_kernel(
     offsets = row[:, None] * cols + col[None, :]
     if DROPOUT:
         p = tl.cast(p, tl.float32)
-        y = tl.where(dropout_keep(seed_ptr, offsets, p), y / (1.0 - p), 0.0)
+        keep = dropout_keep(seed_ptr, row, tl.program_id(1) * BLOCK_COLS, cols, p, BLOCK_COLS)
+        y = tl.where(keep, y / (1.0 - p), 0.0)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -95,7 +96,8 @@ def _bias_act_dropout_bwd_kernel(
             z += bias
         offsets = row[:, None] * cols + col[None, :]
         if DROPOUT:
-            g = tl.where(dropout_keep(seed_ptr, offsets, p), g / (1.0 - p), 0.0)
+            keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
+            g = tl.where(keep, g / (1.0 - p), 0.0)
         _, slope = apply_activation(z, ACT)
         g = tl.where(mask, g * slope, 0.0)
         tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.dropout import ElementwisePlan, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
 
@@ -53,7 +53,8 @@ def _bias_dropout_residual_fwd_kernel(
     offsets = row[:, None] * cols + col[None, :]
     if DROPOUT:
         p = tl.cast(p, tl.float32)
-        v = tl.where(dropout_keep(seed_ptr, offsets, p), v / (1.0 - p), 0.0)
+        keep = dropout_keep(seed_ptr, row, tl.program_id(1) * BLOCK_COLS, cols, p, BLOCK_COLS)
+        v = tl.where(keep, v / (1.0 - p), 0.0)
     residual = tl.load(residual_ptr + row[:, None] * residual_row_stride + col[None, :], mask=mask, other=0.0)
     y = v + residual.to(tl.float32)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -87,7 +88,8 @@ def _dropout_bwd_kernel(
         g = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
             offsets = row[:, None] * cols + col[None, :]
-            g = tl.where(dropout_keep(seed_ptr, offsets, p), g / (1.0 - p), 0.0)
+            keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
+            g = tl.where(keep, g / (1.0 - p), 0.0)
             tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
         if BIAS_GRAD:
             acc += g
@@ -102,6 +104,7 @@ def dropout_bwd(
     dropout: bool,
     bias_grad: bool,
     bias_dtype: torch.dtype | None,
+    plan: ElementwisePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx, dbias)`` for y = dropout(x + bias) (+ anything): dx = dy * mask / (1 - p),
     dbias = dx summed over rows (None unless ``bias_grad``); dx is dy itself without dropout."""
@@ -111,7 +114,7 @@ def dropout_bwd(
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if dropout else dy
     if not (dropout or bias_grad):
         return dx, None
-    plan = elementwise_plan(cols)
+    plan = plan or elementwise_plan(cols)
     col_blocks = triton.cdiv(cols, plan.block_cols)
     sms = _backend.multiprocessor_count(_backend.device_index(dy))
     groups = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))

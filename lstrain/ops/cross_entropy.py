@@ -5,8 +5,8 @@ Target distribution p = (1 - a) * onehot(target) + a / V (a = label_smoothing), 
     loss_i = lse_i - (1 - a) * x_i[t_i] - (a / V) * sum_j x_ij  (+ z_loss * lse_i^2)
     dloss_i / dx_ij = softmax_ij * (1 + 2 * z_loss * lse_i) - p_ij
 
-One program per row reads the row once for the statistics (per-lane online max and
-sum-exp, plus the sum of logits for smoothing) and, when the loss is reduced (mean or
+One program per row reads the row once for the statistics (online max and sum-exp,
+plus the sum of logits for smoothing) and, when the loss is reduced (mean or
 sum), writes the gradient (q - p) * scale in a second sweep over the same row, which is
 served by L2. Backward then only has to multiply by grad_output, and skips even that
 (touching no memory) when grad_output is exactly 1, without a host sync. (For any other
@@ -60,6 +60,7 @@ def _write_gradient(
     z_loss,
     HAS_Z_LOSS: tl.constexpr,
     BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is 0 or NaN for
     ignored or bad rows, which zeroes or poisons them).
@@ -71,13 +72,17 @@ def _write_gradient(
     q_scale = 1.0 / sum_exp
     if HAS_Z_LOSS:
         q_scale *= 1.0 + 2.0 * z_loss * (row_max + tl.log(sum_exp))
-    uniform = smoothing / vocab
-    for start in range(0, vocab, BLOCK):
+    # (q - p) * scale = e * (q_scale * scale) - uniform * scale, and the target column
+    # takes its extra -(1 - smoothing) * scale: two scalars, one FMA per logit.
+    e_scale = q_scale * scale
+    uniform = smoothing / vocab * scale
+    on_target = (1.0 - smoothing) * scale
+    for start in tl.range(0, vocab, BLOCK, num_stages=NUM_STAGES):
         c = start + col
         ok = c < vocab
         x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
-        p = tl.where(c == target, 1.0 - smoothing + uniform, uniform)
-        g = (tl.exp(x - row_max) * q_scale - p) * scale
+        g = tl.exp(x - row_max) * e_scale - uniform
+        g = tl.where(c == target, g - on_target, g)
         tl.store(grad_row + c, g.to(grad_row.dtype.element_ty), mask=ok)
 
 
@@ -101,6 +106,7 @@ def _cross_entropy_fwd_kernel(
     WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     smoothing = tl.cast(smoothing, tl.float32)
@@ -110,29 +116,27 @@ def _cross_entropy_fwd_kernel(
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     x_row = logits_ptr + row * logits_row_stride
     col = tl.arange(0, BLOCK)
-    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done, and
-    # one exponential per logit (exp(-|x - max|) serves both cases), which keeps the
-    # special-function units off the critical path at full memory bandwidth.
-    lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    # Online max / sum-exp with the sums kept per lane: one max-reduction per chunk, and
+    # per logit one subtraction, one exponential and one FMA (the chunk's rescale factor
+    # is a scalar). Lean arithmetic is what keeps this loop at memory speed.
+    row_max = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), axis=0)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, vocab, BLOCK):
+    for start in tl.range(0, vocab, BLOCK, num_stages=NUM_STAGES):
         c = start + col
         ok = c < vocab
         x = tl.load(x_row + c, mask=ok, other=-float("inf")).to(tl.float32)
-        above = x - lane_max
-        e = tl.exp(-tl.abs(above))
-        # -inf - -inf is NaN: a lane that has seen only -inf adds nothing (a NaN logit
-        # still makes `above` NaN and spreads to the row's loss, as it should).
-        e = tl.where((x == -float("inf")) & (lane_max == -float("inf")), 0.0, e)
-        new_max = above > 0
-        lane_sum = tl.where(new_max, lane_sum * e + 1.0, lane_sum + e)
-        lane_max = tl.where(new_max, x, lane_max)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        # While every logit so far is -inf, exponentiate around 0 instead (no -inf - -inf).
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        rescale = tl.where(row_max == -float("inf"), 0.0, tl.exp(row_max - shift))
+        lane_sum = lane_sum * rescale + tl.exp(x - shift)
+        row_max = new_max
         if HAS_SMOOTHING:
             lane_total += tl.where(ok, x, 0.0)
-    row_max = tl.max(lane_max, axis=0)
+    # A NaN logit makes its lane's sum NaN (tl.max may skip it): the loss is NaN, as it should be.
+    sum_exp = tl.sum(lane_sum, axis=0)
     row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
-    sum_exp = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
     log_sum_exp = tl.log(sum_exp)
     x_target = tl.load(x_row + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
     # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
@@ -151,7 +155,9 @@ def _cross_entropy_fwd_kernel(
             scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
         scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
         grad_row = grad_ptr + row * grad_row_stride
-        _write_gradient(x_row, grad_row, vocab, target, row_max, sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, BLOCK)
+        _write_gradient(
+            x_row, grad_row, vocab, target, row_max, sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, BLOCK, NUM_STAGES
+        )
 
 
 @triton.jit
@@ -170,6 +176,7 @@ def _cross_entropy_bwd_kernel(
     z_loss,
     HAS_Z_LOSS: tl.constexpr,
     BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Gradient of the unreduced loss: row i scaled by grad_output[i]."""
     row = tl.program_id(0).to(tl.int64)
@@ -190,6 +197,7 @@ def _cross_entropy_bwd_kernel(
         tl.cast(z_loss, tl.float32),
         HAS_Z_LOSS,
         BLOCK,
+        NUM_STAGES,
     )
 
 
@@ -213,6 +221,7 @@ class CrossEntropyPlan:
 
     block: int
     num_warps: int
+    num_stages: int = 1
 
 
 @functools.cache
@@ -268,6 +277,7 @@ def cross_entropy_fwd(
         WRITE_GRAD=write_grad,
         MEAN=grad_scale == "mean",
         BLOCK=plan.block,
+        NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return loss, stats
@@ -296,6 +306,7 @@ def cross_entropy_bwd(
         rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
         HAS_Z_LOSS=z_loss > 0,
         BLOCK=plan.block,
+        NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return grad

@@ -4,9 +4,10 @@ Backward scatters the token rows' gradient into the table. By default with atomi
 into an fp32 table (cast to the weight's dtype at the end) — fast, but the summation
 order, hence the last bits, vary from run to run. The deterministic mode (on when
 ``torch.are_deterministic_algorithms_enabled()``, or asked for) sorts the token ids
-instead and lets the first program of each run of equal ids sum that run in a fixed
-order and write its table row once: the same bits on every run, and no fp32 table.
-The position table's gradient is reduced the same way. The dropout mask is regenerated
+instead and gives each table row one program, which sums that row's tokens in a fixed
+order and writes the row once: the same bits on every run, no fp32 table, no zero fill.
+The position table's gradient is
+reduced the same way; positions taken from the token index need no sort at all. The dropout mask is regenerated
 from its Philox seed; it is never stored.
 
 Tokens equal to ``padding_idx`` give all-zero output rows and no gradient. Ids or
@@ -72,17 +73,19 @@ def _embedding_fwd_kernel(
     offsets = token[:, None] * dim + col[None, :]
     if DROPOUT:
         p = tl.cast(p, tl.float32)
-        v = tl.where(dropout_keep(seed_ptr, offsets, p), v / (1.0 - p), 0.0)
+        keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
+        v = tl.where(keep, v / (1.0 - p), 0.0)
     v = tl.where(bad[:, None], float("nan"), v)
     tl.store(y_ptr + offsets, v.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT: tl.constexpr):
+def _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT: tl.constexpr, BLOCK_DIM: tl.constexpr):
     """dy of one token's row, with that row's dropout mask and rescale applied (fp32)."""
     g = tl.load(dy_ptr + token * dim + col, mask=col_ok, other=0.0).to(tl.float32)
     if DROPOUT:
-        g = tl.where(dropout_keep(seed_ptr, token * dim + col, p), g / (1.0 - p), 0.0)
+        keep = dropout_keep(seed_ptr, token + tl.zeros([1], tl.int64), tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
+        g = tl.where(tl.reshape(keep, [BLOCK_DIM]), g / (1.0 - p), 0.0)
     return g
 
 
@@ -118,51 +121,56 @@ def _scatter_add_kernel(
     g = tl.load(dy_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0).to(tl.float32)
     if DROPOUT:
         p = tl.cast(p, tl.float32)
-        g = tl.where(dropout_keep(seed_ptr, token[:, None] * dim + col[None, :], p), g / (1.0 - p), 0.0)
+        keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
+        g = tl.where(keep, g / (1.0 - p), 0.0)
     tl.atomic_add(table_ptr + ids[:, None] * dim + col[None, :], g * tl.cast(scale, tl.float32), mask=mask)
 
 
 @triton.jit
 def _segment_sum_kernel(
     dy_ptr,
-    sorted_ids_ptr,
     order_ptr,
+    starts_ptr,
     table_ptr,
     seed_ptr,
-    tokens,
     dim,
-    rows,
+    seq_len,
+    sequences,
     padding_idx,
     scale,
     p,
+    POSITIONS_FROM_INDEX: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
 ):
-    """The program at the first of a run of equal sorted ids sums the run's gradient rows in
-    order and writes that table row once; every other program returns at once."""
-    start = tl.program_id(0).to(tl.int64)
+    """One program per table row: it sums, in a fixed order, the gradient rows of the
+    tokens looked up at that row and writes the row once (zeros where no token looked it
+    up), so the table needs no zero fill. The tokens of row r are ``order[starts[r]:
+    starts[r + 1]]``, or with POSITIONS_FROM_INDEX r, r + seq_len, ... (one per sequence)."""
+    row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
     col_ok = col < dim
-    row = tl.load(sorted_ids_ptr + start).to(tl.int64)
-    previous = tl.load(sorted_ids_ptr + start - 1, mask=start > 0, other=-1).to(tl.int64)
-    leads = (start == 0) | (previous != row)
-    if leads & (row >= 0) & (row < rows) & (row != padding_idx):
-        p = tl.cast(p, tl.float32)
-        acc = tl.zeros([BLOCK_DIM], dtype=tl.float32)
-        i = start
-        current = row
-        while (i < tokens) & (current == row):
+    p = tl.cast(p, tl.float32)
+    if POSITIONS_FROM_INDEX:
+        begin = 0
+        end = tl.where(row < seq_len, sequences, 0)
+    else:
+        begin = tl.load(starts_ptr + row)
+        end = tl.load(starts_ptr + row + 1)
+    acc = tl.zeros([BLOCK_DIM], dtype=tl.float32)
+    for i in range(begin, end):
+        if POSITIONS_FROM_INDEX:
+            token = row + i * seq_len
+        else:
             token = tl.load(order_ptr + i).to(tl.int64)
-            acc += _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT)
-            i += 1
-            current = tl.load(sorted_ids_ptr + i, mask=i < tokens, other=-1).to(tl.int64)
-        acc *= tl.cast(scale, tl.float32)
-        tl.store(table_ptr + row * dim + col, acc.to(table_ptr.dtype.element_ty), mask=col_ok)
+        acc += _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT, BLOCK_DIM)
+    acc = tl.where(row == padding_idx, 0.0, acc * tl.cast(scale, tl.float32))
+    tl.store(table_ptr + row * dim + col, acc.to(table_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _tile(dim: int) -> tuple[int, int]:
     """(tokens, columns) per program: 4096-element tiles, 32 values per thread at 4 warps."""
-    block_dim = min(1024, triton.next_power_of_2(dim))
+    block_dim = max(4, min(1024, triton.next_power_of_2(dim)))  # dropout_keep's minimum
     return max(1, 4096 // block_dim), block_dim
 
 
@@ -204,14 +212,17 @@ def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, 
     tokens, dim = dy.shape
     block_tokens, block_dim = _tile(dim)
     if deterministic:
+        table = torch.empty((rows, dim), dtype=dtype, device=dy.device)
         if ids is None:
-            ids = torch.arange(tokens, device=dy.device) % seq_len
-        sorted_ids, order = torch.sort(ids, stable=True)
-        table = torch.zeros((rows, dim), dtype=dtype, device=dy.device)
-        if tokens:
-            _segment_sum_kernel[(tokens, triton.cdiv(dim, block_dim))](
-                dy, sorted_ids, order, table, seed, tokens, dim, rows, padding_idx, scale, p,
-                DROPOUT=seed is not None, BLOCK_DIM=block_dim, num_warps=4,
+            order = starts = None
+        else:
+            sorted_ids, order = torch.sort(ids, stable=True)
+            # ids outside [0, rows) (padding tokens' positions are -1) fall outside every segment
+            starts = torch.searchsorted(sorted_ids, torch.arange(rows + 1, device=dy.device))
+        if rows and dim:
+            _segment_sum_kernel[(rows, triton.cdiv(dim, block_dim))](
+                dy, order, starts, table, seed, dim, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
+                POSITIONS_FROM_INDEX=ids is None, DROPOUT=seed is not None, BLOCK_DIM=block_dim, num_warps=4,
             )  # fmt: skip
         return table
     table = torch.zeros((rows, dim), dtype=torch.float32, device=dy.device)
