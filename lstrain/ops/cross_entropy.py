@@ -49,8 +49,9 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 @triton.jit
 def _write_gradient(
-    x_row,
-    grad_row,
+    x_base,
+    grad_base,
+    lead,
     vocab,
     target,
     row_max,
@@ -63,7 +64,8 @@ def _write_gradient(
     NUM_STAGES: tl.constexpr,
 ):
     """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is 0 or NaN for
-    ignored or bad rows, which zeroes or poisons them).
+    ignored or bad rows, which zeroes or poisons them). Logit j of the row sits at
+    ``x_base + lead + j`` and its gradient at ``grad_base + lead + j`` (see ``_row_base``).
 
     softmax = exp(x - max) / sum_exp: x - max is exact where it matters, whereas
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
@@ -77,13 +79,27 @@ def _write_gradient(
     e_scale = q_scale * scale
     uniform = smoothing / vocab * scale
     on_target = (1.0 - smoothing) * scale
-    for start in tl.range(0, vocab, BLOCK, num_stages=NUM_STAGES):
+    for start in tl.range(0, vocab + lead, BLOCK, num_stages=NUM_STAGES):
         c = start + col
-        ok = c < vocab
-        x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+        ok = (c >= lead) & (c < vocab + lead)
+        x = tl.load(x_base + c, mask=ok, other=0.0).to(tl.float32)
         g = tl.exp(x - row_max) * e_scale - uniform
-        g = tl.where(c == target, g - on_target, g)
-        tl.store(grad_row + c, g.to(grad_row.dtype.element_ty), mask=ok)
+        g = tl.where(c == target + lead, g - on_target, g)
+        tl.store(grad_base + c, g.to(grad_base.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _row_base(ptr, row, row_stride, lead, ALIGNED: tl.constexpr):
+    """``ptr + row * row_stride - lead``, declared a multiple of 8 elements when ALIGNED.
+
+    A row of an odd vocabulary (50257) starts at any element, which would make every load
+    a scalar one; sweeping it from the 16-byte boundary below its start (the first
+    ``lead`` lanes masked off) lets the loads and stores vectorise.
+    """
+    start = row * row_stride - lead
+    if ALIGNED:
+        start = tl.multiple_of(start, 8)
+    return ptr + start
 
 
 @triton.jit
@@ -105,6 +121,7 @@ def _cross_entropy_fwd_kernel(
     HAS_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr,
+    GRAD_ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -115,6 +132,8 @@ def _cross_entropy_fwd_kernel(
     ignored = target == ignore_index
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     x_row = logits_ptr + row * logits_row_stride
+    lead = (row * logits_row_stride) % 8
+    x_base = _row_base(logits_ptr, row, logits_row_stride, lead, True)
     col = tl.arange(0, BLOCK)
     # Online max / sum-exp with the sums kept per lane: one max-reduction per chunk, and
     # per logit one subtraction, one exponential and one FMA (the chunk's rescale factor
@@ -122,10 +141,10 @@ def _cross_entropy_fwd_kernel(
     row_max = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), axis=0)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in tl.range(0, vocab, BLOCK, num_stages=NUM_STAGES):
+    for start in tl.range(0, vocab + lead, BLOCK, num_stages=NUM_STAGES):
         c = start + col
-        ok = c < vocab
-        x = tl.load(x_row + c, mask=ok, other=-float("inf")).to(tl.float32)
+        ok = (c >= lead) & (c < vocab + lead)
+        x = tl.load(x_base + c, mask=ok, other=-float("inf")).to(tl.float32)
         new_max = tl.maximum(row_max, tl.max(x, axis=0))
         # While every logit so far is -inf, exponentiate around 0 instead (no -inf - -inf).
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
@@ -154,9 +173,21 @@ def _cross_entropy_fwd_kernel(
         if MEAN:
             scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
         scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
-        grad_row = grad_ptr + row * grad_row_stride
+        grad_base = _row_base(grad_ptr, row, grad_row_stride, lead, GRAD_ALIGNED)
         _write_gradient(
-            x_row, grad_row, vocab, target, row_max, sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, BLOCK, NUM_STAGES
+            x_base,
+            grad_base,
+            lead,
+            vocab,
+            target,
+            row_max,
+            sum_exp,
+            scale,
+            smoothing,
+            z_loss,
+            HAS_Z_LOSS,
+            BLOCK,
+            NUM_STAGES,
         )
 
 
@@ -175,6 +206,7 @@ def _cross_entropy_bwd_kernel(
     smoothing,
     z_loss,
     HAS_Z_LOSS: tl.constexpr,
+    GRAD_ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -185,9 +217,11 @@ def _cross_entropy_bwd_kernel(
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     scale = tl.load(grad_output_ptr + row).to(tl.float32)
     scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
+    lead = (row * logits_row_stride) % 8
     _write_gradient(
-        logits_ptr + row * logits_row_stride,
-        grad_ptr + row * grad_row_stride,
+        _row_base(logits_ptr, row, logits_row_stride, lead, True),
+        _row_base(grad_ptr, row, grad_row_stride, lead, GRAD_ALIGNED),
+        lead,
         vocab,
         target,
         tl.load(stats_ptr + row),
@@ -228,11 +262,12 @@ class CrossEntropyPlan:
 def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
     """Launch settings for rows of ``vocab`` logits (a pure function).
 
-    Chunks of up to 8192 logits with 16 warps: 16 fp32 values per thread for each of the
-    three per-lane accumulators, wide enough to keep many loads in flight per row.
+    Chunks of up to 4096 logits over 16 warps (8 per thread): on the H200, at V = 50257
+    and 128256, 8192-wide chunks were 1.3-1.7x slower and software pipelining of the
+    chunk loop made no difference (``python -m benchmarks.sweep --op cross_entropy``).
     """
-    block = min(8192, triton.next_power_of_2(vocab))
-    return CrossEntropyPlan(block, num_warps=max(1, min(16, block // 512)))
+    block = min(4096, triton.next_power_of_2(vocab))
+    return CrossEntropyPlan(block, num_warps=max(1, min(16, block // 256)))
 
 
 def cross_entropy_fwd(
@@ -276,6 +311,7 @@ def cross_entropy_fwd(
         HAS_Z_LOSS=z_loss > 0,
         WRITE_GRAD=write_grad,
         MEAN=grad_scale == "mean",
+        GRAD_ALIGNED=write_grad and grad_out.stride(0) % 8 == x.stride(0) % 8,
         BLOCK=plan.block,
         NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
@@ -305,6 +341,7 @@ def cross_entropy_bwd(
         x, target.reshape(-1).contiguous(), stats, grad_output, grad,
         rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
         HAS_Z_LOSS=z_loss > 0,
+        GRAD_ALIGNED=vocab % 8 == x.stride(0) % 8,
         BLOCK=plan.block,
         NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
