@@ -5,8 +5,8 @@ Target distribution p = (1 - a) * onehot(target) + a / V (a = label_smoothing), 
     loss_i = lse_i - (1 - a) * x_i[t_i] - (a / V) * sum_j x_ij  (+ z_loss * lse_i^2)
     dloss_i / dx_ij = softmax_ij * (1 + 2 * z_loss * lse_i) - p_ij
 
-One program per row reads the row once for the statistics (online max and sum-exp,
-plus the sum of logits for smoothing) and, when the loss is reduced (mean or
+One program per row reads the row once for the statistics (per-lane online max and
+sum-exp, plus the sum of logits for smoothing) and, when the loss is reduced (mean or
 sum), writes the gradient (q - p) * scale in a second sweep over the same row, which is
 served by L2. Backward then only has to multiply by grad_output, and skips even that
 (touching no memory) when grad_output is exactly 1, without a host sync. (For any other
@@ -49,9 +49,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 @triton.jit
 def _write_gradient(
-    x_base,
-    grad_base,
-    lead,
+    x_row,
+    grad_row,
     vocab,
     target,
     row_max,
@@ -61,11 +60,9 @@ def _write_gradient(
     z_loss,
     HAS_Z_LOSS: tl.constexpr,
     BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
     """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is 0 or NaN for
-    ignored or bad rows, which zeroes or poisons them). Logit j of the row sits at
-    ``x_base + lead + j`` and its gradient at ``grad_base + lead + j`` (see ``_row_base``).
+    ignored or bad rows, which zeroes or poisons them).
 
     softmax = exp(x - max) / sum_exp: x - max is exact where it matters, whereas
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
@@ -74,32 +71,14 @@ def _write_gradient(
     q_scale = 1.0 / sum_exp
     if HAS_Z_LOSS:
         q_scale *= 1.0 + 2.0 * z_loss * (row_max + tl.log(sum_exp))
-    # (q - p) * scale = e * (q_scale * scale) - uniform * scale, and the target column
-    # takes its extra -(1 - smoothing) * scale: two scalars, one FMA per logit.
-    e_scale = q_scale * scale
-    uniform = smoothing / vocab * scale
-    on_target = (1.0 - smoothing) * scale
-    for start in tl.range(0, vocab + lead, BLOCK, num_stages=NUM_STAGES):
+    uniform = smoothing / vocab
+    for start in range(0, vocab, BLOCK):
         c = start + col
-        ok = (c >= lead) & (c < vocab + lead)
-        x = tl.load(x_base + c, mask=ok, other=0.0).to(tl.float32)
-        g = tl.exp(x - row_max) * e_scale - uniform
-        g = tl.where(c == target + lead, g - on_target, g)
-        tl.store(grad_base + c, g.to(grad_base.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _row_base(ptr, row, row_stride, lead, ALIGNED: tl.constexpr):
-    """``ptr + row * row_stride - lead``, declared a multiple of 8 elements when ALIGNED.
-
-    A row of an odd vocabulary (50257) starts at any element, which would make every load
-    a scalar one; sweeping it from the 16-byte boundary below its start (the first
-    ``lead`` lanes masked off) lets the loads and stores vectorise.
-    """
-    start = row * row_stride - lead
-    if ALIGNED:
-        start = tl.multiple_of(start, 8)
-    return ptr + start
+        ok = c < vocab
+        x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+        p = tl.where(c == target, 1.0 - smoothing + uniform, uniform)
+        g = (tl.exp(x - row_max) * q_scale - p) * scale
+        tl.store(grad_row + c, g.to(grad_row.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -121,9 +100,7 @@ def _cross_entropy_fwd_kernel(
     HAS_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr,
-    GRAD_ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     smoothing = tl.cast(smoothing, tl.float32)
@@ -132,30 +109,30 @@ def _cross_entropy_fwd_kernel(
     ignored = target == ignore_index
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     x_row = logits_ptr + row * logits_row_stride
-    lead = (row * logits_row_stride) % 8
-    x_base = _row_base(logits_ptr, row, logits_row_stride, lead, True)
     col = tl.arange(0, BLOCK)
-    # Online max / sum-exp with the sums kept per lane: one max-reduction per chunk, and
-    # per logit one subtraction, one exponential and one FMA (the chunk's rescale factor
-    # is a scalar). Lean arithmetic is what keeps this loop at memory speed.
-    row_max = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), axis=0)
+    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done, and
+    # one exponential per logit (exp(-|x - max|) serves both cases), which keeps the
+    # special-function units off the critical path at full memory bandwidth.
+    lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in tl.range(0, vocab + lead, BLOCK, num_stages=NUM_STAGES):
+    for start in range(0, vocab, BLOCK):
         c = start + col
-        ok = (c >= lead) & (c < vocab + lead)
-        x = tl.load(x_base + c, mask=ok, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(row_max, tl.max(x, axis=0))
-        # While every logit so far is -inf, exponentiate around 0 instead (no -inf - -inf).
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        rescale = tl.where(row_max == -float("inf"), 0.0, tl.exp(row_max - shift))
-        lane_sum = lane_sum * rescale + tl.exp(x - shift)
-        row_max = new_max
+        ok = c < vocab
+        x = tl.load(x_row + c, mask=ok, other=-float("inf")).to(tl.float32)
+        above = x - lane_max
+        e = tl.exp(-tl.abs(above))
+        # -inf - -inf is NaN: a lane that has seen only -inf adds nothing (a NaN logit
+        # still makes `above` NaN and spreads to the row's loss, as it should).
+        e = tl.where((x == -float("inf")) & (lane_max == -float("inf")), 0.0, e)
+        new_max = above > 0
+        lane_sum = tl.where(new_max, lane_sum * e + 1.0, lane_sum + e)
+        lane_max = tl.where(new_max, x, lane_max)
         if HAS_SMOOTHING:
             lane_total += tl.where(ok, x, 0.0)
-    # A NaN logit makes its lane's sum NaN (tl.max may skip it): the loss is NaN, as it should be.
-    sum_exp = tl.sum(lane_sum, axis=0)
+    row_max = tl.max(lane_max, axis=0)
     row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+    sum_exp = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
     log_sum_exp = tl.log(sum_exp)
     x_target = tl.load(x_row + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
     # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
@@ -173,22 +150,8 @@ def _cross_entropy_fwd_kernel(
         if MEAN:
             scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
         scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
-        grad_base = _row_base(grad_ptr, row, grad_row_stride, lead, GRAD_ALIGNED)
-        _write_gradient(
-            x_base,
-            grad_base,
-            lead,
-            vocab,
-            target,
-            row_max,
-            sum_exp,
-            scale,
-            smoothing,
-            z_loss,
-            HAS_Z_LOSS,
-            BLOCK,
-            NUM_STAGES,
-        )
+        grad_row = grad_ptr + row * grad_row_stride
+        _write_gradient(x_row, grad_row, vocab, target, row_max, sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, BLOCK)
 
 
 @triton.jit
@@ -206,9 +169,7 @@ def _cross_entropy_bwd_kernel(
     smoothing,
     z_loss,
     HAS_Z_LOSS: tl.constexpr,
-    GRAD_ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
     """Gradient of the unreduced loss: row i scaled by grad_output[i]."""
     row = tl.program_id(0).to(tl.int64)
@@ -217,11 +178,9 @@ def _cross_entropy_bwd_kernel(
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     scale = tl.load(grad_output_ptr + row).to(tl.float32)
     scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
-    lead = (row * logits_row_stride) % 8
     _write_gradient(
-        _row_base(logits_ptr, row, logits_row_stride, lead, True),
-        _row_base(grad_ptr, row, grad_row_stride, lead, GRAD_ALIGNED),
-        lead,
+        logits_ptr + row * logits_row_stride,
+        grad_ptr + row * grad_row_stride,
         vocab,
         target,
         tl.load(stats_ptr + row),
@@ -231,7 +190,6 @@ def _cross_entropy_bwd_kernel(
         tl.cast(z_loss, tl.float32),
         HAS_Z_LOSS,
         BLOCK,
-        NUM_STAGES,
     )
 
 
@@ -255,19 +213,20 @@ class CrossEntropyPlan:
 
     block: int
     num_warps: int
-    num_stages: int = 1
 
 
 @functools.cache
 def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
     """Launch settings for rows of ``vocab`` logits (a pure function).
 
-    Chunks of up to 4096 logits over 16 warps (8 per thread): on the H200, at V = 50257
-    and 128256, 8192-wide chunks were 1.3-1.7x slower and software pipelining of the
-    chunk loop made no difference (``python -m benchmarks.sweep --op cross_entropy``).
+    Chunks of up to 4096 logits, 4 per thread (8 beyond V = 65536): the fastest plans of
+    the H200 sweep (``python -m benchmarks.sweep --op cross_entropy``) at V = 50257 and
+    128256, where 8192-wide chunks with 16 warps were 1.4-1.7x slower. The loop is
+    arithmetic-bound (per-lane online max / sum-exp), so more threads per row pay.
     """
     block = min(4096, triton.next_power_of_2(vocab))
-    return CrossEntropyPlan(block, num_warps=max(1, min(16, block // 256)))
+    per_thread = 4 if vocab <= 65536 else 8
+    return CrossEntropyPlan(block, num_warps=max(1, min(32, block // (32 * per_thread))))
 
 
 def cross_entropy_fwd(
@@ -311,9 +270,7 @@ def cross_entropy_fwd(
         HAS_Z_LOSS=z_loss > 0,
         WRITE_GRAD=write_grad,
         MEAN=grad_scale == "mean",
-        GRAD_ALIGNED=write_grad and grad_out.stride(0) % 8 == x.stride(0) % 8,
         BLOCK=plan.block,
-        NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return loss, stats
@@ -341,9 +298,7 @@ def cross_entropy_bwd(
         x, target.reshape(-1).contiguous(), stats, grad_output, grad,
         rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
         HAS_Z_LOSS=z_loss > 0,
-        GRAD_ALIGNED=vocab % 8 == x.stride(0) % 8,
         BLOCK=plan.block,
-        NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
     )  # fmt: skip
     return grad

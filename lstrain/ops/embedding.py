@@ -80,6 +80,16 @@ def _embedding_fwd_kernel(
 
 
 @triton.jit
+def _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    """dy of one token's row, with that row's dropout mask and rescale applied (fp32)."""
+    g = tl.load(dy_ptr + token * dim + col, mask=col_ok, other=0.0).to(tl.float32)
+    if DROPOUT:
+        keep = dropout_keep(seed_ptr, token + tl.zeros([1], tl.int64), tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
+        g = tl.where(tl.reshape(keep, [BLOCK_DIM]), g / (1.0 - p), 0.0)
+    return g
+
+
+@triton.jit
 def _scatter_add_kernel(
     dy_ptr,
     ids_ptr,
@@ -123,7 +133,6 @@ def _segment_sum_kernel(
     starts_ptr,
     table_ptr,
     seed_ptr,
-    rows,
     dim,
     seq_len,
     sequences,
@@ -132,40 +141,31 @@ def _segment_sum_kernel(
     p,
     POSITIONS_FROM_INDEX: tl.constexpr,
     DROPOUT: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
 ):
-    """Each program owns BLOCK_ROWS table rows: it sums, in a fixed order, the gradient
-    rows of the tokens looked up at each and writes the rows once (zeros where no token
-    looked one up), so the table needs no zero fill. The tokens of row r are
-    ``order[starts[r]:starts[r + 1]]``, or with POSITIONS_FROM_INDEX r, r + seq_len, ...
-    Several rows per program keep several dependent gather chains in flight at once."""
-    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    """One program per table row: it sums, in a fixed order, the gradient rows of the
+    tokens looked up at that row and writes the row once (zeros where no token looked it
+    up), so the table needs no zero fill. The tokens of row r are ``order[starts[r]:
+    starts[r + 1]]``, or with POSITIONS_FROM_INDEX r, r + seq_len, ... (one per sequence)."""
+    row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
-    row_ok = row < rows
+    col_ok = col < dim
     p = tl.cast(p, tl.float32)
     if POSITIONS_FROM_INDEX:
-        begin = tl.zeros([BLOCK_ROWS], tl.int64)
-        count = tl.where(row_ok & (row < seq_len), sequences, 0).to(tl.int64)
+        begin = 0
+        end = tl.where(row < seq_len, sequences, 0)
     else:
-        begin = tl.load(starts_ptr + row, mask=row_ok, other=0)
-        count = tl.load(starts_ptr + row + 1, mask=row_ok, other=0) - begin
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_DIM], dtype=tl.float32)
-    for i in range(0, tl.max(count, axis=0)):
-        live = i < count
+        begin = tl.load(starts_ptr + row)
+        end = tl.load(starts_ptr + row + 1)
+    acc = tl.zeros([BLOCK_DIM], dtype=tl.float32)
+    for i in range(begin, end):
         if POSITIONS_FROM_INDEX:
             token = row + i * seq_len
         else:
-            token = tl.load(order_ptr + begin + i, mask=live, other=0).to(tl.int64)
-        mask = live[:, None] & (col < dim)[None, :]
-        g = tl.load(dy_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        if DROPOUT:
-            keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-            g = tl.where(keep, g / (1.0 - p), 0.0)
-        acc += g
-    acc = tl.where((row == padding_idx)[:, None], 0.0, acc * tl.cast(scale, tl.float32))
-    out = table_ptr + row[:, None] * dim + col[None, :]
-    tl.store(out, acc.to(table_ptr.dtype.element_ty), mask=row_ok[:, None] & (col < dim)[None, :])
+            token = tl.load(order_ptr + i).to(tl.int64)
+        acc += _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT, BLOCK_DIM)
+    acc = tl.where(row == padding_idx, 0.0, acc * tl.cast(scale, tl.float32))
+    tl.store(table_ptr + row * dim + col, acc.to(table_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _tile(dim: int) -> tuple[int, int]:
@@ -220,10 +220,9 @@ def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, 
             # ids outside [0, rows) (padding tokens' positions are -1) fall outside every segment
             starts = torch.searchsorted(sorted_ids, torch.arange(rows + 1, device=dy.device))
         if rows and dim:
-            _segment_sum_kernel[(triton.cdiv(rows, block_tokens), triton.cdiv(dim, block_dim))](
-                dy, order, starts, table, seed, rows, dim, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
-                POSITIONS_FROM_INDEX=ids is None, DROPOUT=seed is not None,
-                BLOCK_ROWS=block_tokens, BLOCK_DIM=block_dim, num_warps=4,
+            _segment_sum_kernel[(rows, triton.cdiv(dim, block_dim))](
+                dy, order, starts, table, seed, dim, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
+                POSITIONS_FROM_INDEX=ids is None, DROPOUT=seed is not None, BLOCK_DIM=block_dim, num_warps=4,
             )  # fmt: skip
         return table
     table = torch.zeros((rows, dim), dtype=torch.float32, device=dy.device)
