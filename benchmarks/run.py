@@ -109,12 +109,11 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
             if not diff < 0.05:
                 print(f"warning: {case.op} {name} differs from the first implementation by {diff}")
         del out
-        try:
-            gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
-        except RuntimeError as error:  # e.g. an op that synchronises with the host
-            print(f"{case.op} {name}: not capturable in a CUDA graph ({str(error).splitlines()[0]})")
-            torch.cuda.synchronize()
+        if name in case.host_syncing:
+            print(f"{case.op} {name}: synchronises with the host, not capturable in a CUDA graph")
             gpu = None
+        else:
+            gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
         call, host, peak = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
         gbs = case.min_bytes / ((gpu or call) * 1e-3) / 1e9
         rows.append(
