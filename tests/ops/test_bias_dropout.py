@@ -49,6 +49,22 @@ def test_keep_rate_is_binomially_right(device, p):
     assert abs(kept - mean) < 5 * std, (kept, mean, std)
 
 
+def test_the_four_draws_of_one_philox_call_are_independent(device):
+    """Neighbouring columns share a Philox call (four outputs): each column class mod 4
+    keeps at the right rate, and neighbours agree as often as independent draws would."""
+    rows, cols, p = 64, 1000, 0.5
+    seed = torch.tensor([11], dtype=torch.int64, device=device)
+    keep = dropout_mask(seed, (rows, cols), p).float()
+    n = rows * cols // 4
+    for phase in range(4):
+        kept = keep[:, phase::4].sum().item()
+        assert abs(kept - n * (1 - p)) < 5 * math.sqrt(n * p * (1 - p)), (phase, kept)
+    agree = (keep[:, 1:] == keep[:, :-1]).float().mean().item()
+    pairs = rows * (cols - 1)
+    assert abs(agree - 0.5) < 5 * math.sqrt(0.25 / pairs), agree
+    assert not torch.equal(keep[0], keep[1]), "rows must draw different masks"
+
+
 def test_reproducible_under_manual_seed(device):
     x = torch.randn(16, 64, device=device)
     residual = torch.randn_like(x)
