@@ -1,6 +1,6 @@
 """Launch-plan sweep: times lstrain's kernels under alternative plans on this GPU.
 
-    python -m benchmarks.sweep [--quick]
+    python -m benchmarks.sweep [--quick] [--op cross_entropy --op dropout ...]
 
 Evidence for the constants of the plan functions (``layer_norm_fwd_plan``,
 ``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``), and where

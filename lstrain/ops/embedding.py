@@ -6,9 +6,9 @@ order, hence the last bits, vary from run to run. The deterministic mode (on whe
 ``torch.are_deterministic_algorithms_enabled()``, or asked for) sorts the token ids
 instead and gives each table row one program, which sums that row's tokens in a fixed
 order and writes the row once: the same bits on every run, no fp32 table, no zero fill.
-The position table's gradient is
-reduced the same way; positions taken from the token index need no sort at all. The dropout mask is regenerated
-from its Philox seed; it is never stored.
+The position table's gradient is reduced the same way; positions taken from the token
+index need no sort at all. The dropout mask is regenerated from its Philox seed; it is
+never stored.
 
 Tokens equal to ``padding_idx`` give all-zero output rows and no gradient. Ids or
 positions outside their tables are never read: their output rows are NaN (and, for CPU
