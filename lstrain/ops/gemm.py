@@ -28,14 +28,24 @@ from lstrain.ops.activations import (
     apply_activation,
 )
 
-__all__ = ["GemmFunction", "GemmPlan", "gemm", "gemm_fwd", "gemm_plan", "gemm_ref", "mainloop", "tile_coordinates"]
+__all__ = [
+    "GemmFunction",
+    "GemmPlan",
+    "gemm",
+    "gemm_fwd",
+    "gemm_plan",
+    "gemm_ref",
+    "mainloop",
+    "tile_coordinates",
+    "tile_ids",
+]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(rows, cols) of this program's output tile, int64; programs walk groups of GROUP_M
+def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of this program, int64; programs walk groups of GROUP_M
     tile rows column by column, so that neighbours share tiles of B in L2."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -45,9 +55,14 @@ def tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
     group_rows = min(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, cols
+    return pid_m.to(tl.int64), pid_n.to(tl.int64)
+
+
+@triton.jit
+def tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(rows, cols) of this program's output tile (see :func:`tile_ids`), int64."""
+    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.gemm import gemm_plan, mainloop, tile_coordinates
+from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
 
 __all__ = ["SwiGLUFunction", "pack_gate_up", "swiglu_mlp", "swiglu_mlp_ref", "unpack_gate_up"]
 
@@ -31,9 +31,16 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _pair_columns(units, BLOCK_F: tl.constexpr):
-    """The 2 * BLOCK_F columns of h holding the (gate, up) pairs of these units, in order."""
-    return tl.reshape(units[:, None] * 2 + tl.arange(0, 2)[None, :], (2 * BLOCK_F,))
+def _pair_tile(M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, GROUP_M: tl.constexpr):
+    """(rows, units, cols) of this program's tile: BLOCK_F units of the hidden layer and the
+    2 * BLOCK_F columns of h holding their (gate, up) pairs. Written as aranges from
+    multiples of the block (not as interleaved unit indices) so that Triton sees the columns
+    contiguous and aligned, and vectorises and pipelines the loads of the weight tiles."""
+    pid_m, pid_n = tile_ids(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    units = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
+    cols = pid_n * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
+    return rows, units, cols
 
 
 @triton.jit
@@ -56,8 +63,7 @@ def _swiglu_fwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     """One tile of h = x @ w_gate_up ([M, 2F], 2 * BLOCK_F columns = BLOCK_F pairs) and of a."""
-    rows, units = tile_coordinates(M, F, BLOCK_M, BLOCK_F, GROUP_M)
-    cols = _pair_columns(units, BLOCK_F)
+    rows, units, cols = _pair_tile(M, F, BLOCK_M, BLOCK_F, GROUP_M)
     acc = mainloop(
         x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
         IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
@@ -92,12 +98,11 @@ def _swiglu_bwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     """dA = dy @ w_down^T tile by tile, turned in the epilogue into (dgate, dup) pairs."""
-    rows, units = tile_coordinates(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+    rows, units, cols = _pair_tile(M, F, BLOCK_M, BLOCK_F, GROUP_M)
     da = mainloop(
         dy_ptr, w_down_ptr, rows, units, M, F, K, stride_dym, stride_dyk, stride_wk, stride_wn,
         IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
     )  # fmt: skip
-    cols = _pair_columns(units, BLOCK_F)
     pair_mask = (rows < M)[:, None] & (cols < 2 * F)[None, :]
     h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_F, 2)))
