@@ -71,14 +71,39 @@ def _write_gradient(
     q_scale = 1.0 / sum_exp
     if HAS_Z_LOSS:
         q_scale *= 1.0 + 2.0 * z_loss * (row_max + tl.log(sum_exp))
-    uniform = smoothing / vocab
-    for start in range(0, vocab, BLOCK):
+    # (q - p) * scale = e * (q_scale * scale) - p * scale: one FMA per logit after exp.
+    e_scale = q_scale * scale
+    uniform = smoothing / vocab * scale
+    on_target = (1.0 - smoothing) * scale + uniform
+    # Whole chunks unmasked, then the tail: masks cost instructions in an arithmetic-bound loop.
+    full = vocab - vocab % BLOCK
+    for start in range(0, full, BLOCK):
         c = start + col
+        x = tl.load(x_row + c).to(tl.float32)
+        g = tl.exp(x - row_max) * e_scale - tl.where(c == target, on_target, uniform)
+        tl.store(grad_row + c, g.to(grad_row.dtype.element_ty))
+    if full < vocab:
+        c = full + col
         ok = c < vocab
         x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
-        p = tl.where(c == target, 1.0 - smoothing + uniform, uniform)
-        g = (tl.exp(x - row_max) * q_scale - p) * scale
+        g = tl.exp(x - row_max) * e_scale - tl.where(c == target, on_target, uniform)
         tl.store(grad_row + c, g.to(grad_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _online_update(x, lane_max, lane_sum):
+    """One logit per lane into the lane's running max and sum of exp(x - max).
+
+    Lanes start at max = -FLT_MAX (not -inf), so that a -inf logit gives exp(-inf) = 0
+    without a special case: one exponential (exp(-|x - max|) serves both branches) and a
+    few selects per logit. A NaN logit makes the lane's sum NaN, hence the loss.
+    """
+    above = x - lane_max
+    e = tl.exp(-tl.abs(above))
+    new_max = above > 0
+    lane_sum = tl.where(new_max, lane_sum * e + 1.0, lane_sum + e)
+    lane_max = tl.where(new_max, x, lane_max)
+    return lane_max, lane_sum
 
 
 @triton.jit
@@ -110,26 +135,25 @@ def _cross_entropy_fwd_kernel(
     bad = ((target < 0) | (target >= vocab)) & ~ignored
     x_row = logits_ptr + row * logits_row_stride
     col = tl.arange(0, BLOCK)
-    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done, and
-    # one exponential per logit (exp(-|x - max|) serves both cases), which keeps the
-    # special-function units off the critical path at full memory bandwidth.
-    lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    # Per-lane online max / sum-exp: no cross-lane reduction until the row is done.
+    lane_max = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, vocab, BLOCK):
-        c = start + col
-        ok = c < vocab
-        x = tl.load(x_row + c, mask=ok, other=-float("inf")).to(tl.float32)
-        above = x - lane_max
-        e = tl.exp(-tl.abs(above))
-        # -inf - -inf is NaN: a lane that has seen only -inf adds nothing (a NaN logit
-        # still makes `above` NaN and spreads to the row's loss, as it should).
-        e = tl.where((x == -float("inf")) & (lane_max == -float("inf")), 0.0, e)
-        new_max = above > 0
-        lane_sum = tl.where(new_max, lane_sum * e + 1.0, lane_sum + e)
-        lane_max = tl.where(new_max, x, lane_max)
+    # Whole chunks unmasked, then the tail: masks cost instructions in an arithmetic-bound loop.
+    full = vocab - vocab % BLOCK
+    for start in range(0, full, BLOCK):
+        x = tl.load(x_row + start + col).to(tl.float32)
+        lane_max, lane_sum = _online_update(x, lane_max, lane_sum)
+        if HAS_SMOOTHING:
+            lane_total += x
+    if full < vocab:
+        ok = full + col < vocab
+        x = tl.load(x_row + full + col, mask=ok, other=-float("inf")).to(tl.float32)
+        lane_max, lane_sum = _online_update(x, lane_max, lane_sum)
         if HAS_SMOOTHING:
             lane_total += tl.where(ok, x, 0.0)
+    # A lane holds at least 1 once it has seen a logit above -inf: an empty one gets -inf back.
+    lane_max = tl.where(lane_sum == 0.0, -float("inf"), lane_max)
     row_max = tl.max(lane_max, axis=0)
     row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
     sum_exp = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
