@@ -75,12 +75,19 @@ def _write_gradient(
     e_scale = q_scale * scale
     uniform = smoothing / vocab * scale
     on_target = (1.0 - smoothing) * scale + uniform
-    # Whole chunks unmasked, then the tail: masks cost instructions in an arithmetic-bound loop.
+    # Whole chunks unmasked, then the tail: masks cost instructions. Each chunk is loaded
+    # one iteration ahead of its use, so two chunks per thread are in flight at a time.
     full = vocab - vocab % BLOCK
-    for start in range(0, full, BLOCK):
-        c = start + col
-        x = tl.load(x_row + c).to(tl.float32)
-        g = tl.exp(x - row_max) * e_scale - tl.where(c == target, on_target, uniform)
+    if full > 0:
+        x = tl.load(x_row + col)
+        for start in range(0, full - BLOCK, BLOCK):
+            x_next = tl.load(x_row + start + BLOCK + col)
+            c = start + col
+            g = tl.exp(x.to(tl.float32) - row_max) * e_scale - tl.where(c == target, on_target, uniform)
+            tl.store(grad_row + c, g.to(grad_row.dtype.element_ty))
+            x = x_next
+        c = full - BLOCK + col
+        g = tl.exp(x.to(tl.float32) - row_max) * e_scale - tl.where(c == target, on_target, uniform)
         tl.store(grad_row + c, g.to(grad_row.dtype.element_ty))
     if full < vocab:
         c = full + col
@@ -139,13 +146,20 @@ def _cross_entropy_fwd_kernel(
     lane_max = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
     lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
-    # Whole chunks unmasked, then the tail: masks cost instructions in an arithmetic-bound loop.
+    # Whole chunks unmasked, then the tail: masks cost instructions. Each chunk is loaded
+    # one iteration ahead of its use, so two chunks per thread are in flight at a time.
     full = vocab - vocab % BLOCK
-    for start in range(0, full, BLOCK):
-        x = tl.load(x_row + start + col).to(tl.float32)
-        lane_max, lane_sum = _online_update(x, lane_max, lane_sum)
+    if full > 0:
+        x = tl.load(x_row + col)
+        for start in range(BLOCK, full, BLOCK):
+            x_next = tl.load(x_row + start + col)
+            lane_max, lane_sum = _online_update(x.to(tl.float32), lane_max, lane_sum)
+            if HAS_SMOOTHING:
+                lane_total += x.to(tl.float32)
+            x = x_next
+        lane_max, lane_sum = _online_update(x.to(tl.float32), lane_max, lane_sum)
         if HAS_SMOOTHING:
-            lane_total += x
+            lane_total += x.to(tl.float32)
     if full < vocab:
         ok = full + col < vocab
         x = tl.load(x_row + full + col, mask=ok, other=-float("inf")).to(tl.float32)

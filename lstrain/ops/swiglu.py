@@ -7,13 +7,15 @@ is up unit ``i`` — so every output tile of ``x @ w_gate_up`` holds whole (gate
 keeps the familiar ``gate_proj`` / ``up_proj`` / ``down_proj`` state_dict keys.)
 
 Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue splits each tile into its gate and
-up halves and writes ``a = silu(gate) * up`` (half the width) and ``h`` itself, which
-backward needs; then ``y = a @ w_down`` (cuBLAS).
+up halves and writes ``a = silu(gate) * up`` (half the width) and ``h`` itself, the only
+activation saved for backward; then ``y = a @ w_down`` (cuBLAS).
 
 Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved (gate, up)
 tile and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` as pairs
-(width doubles); dA itself never reaches memory. Then the usual GEMMs (cuBLAS): dx, dW_gate_up
-and dW_down.
+(width doubles) over that same tile of h; dA itself never reaches memory. The same epilogue
+recomputes a for dW_down = a^T dy, half of the units at a time. Then the usual GEMMs
+(cuBLAS) for dx and dW_gate_up. Memory beyond the inputs and gradients: h, and half of a
+while backward runs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from lstrain import _backend
 from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
@@ -31,16 +34,22 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _pair_tile(M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, GROUP_M: tl.constexpr):
-    """(rows, units, cols) of this program's tile: BLOCK_F units of the hidden layer and the
-    2 * BLOCK_F columns of h holding their (gate, up) pairs. Written as aranges from
-    multiples of the block (not as interleaved unit indices) so that Triton sees the columns
-    contiguous and aligned, and vectorises and pipelines the loads of the weight tiles."""
-    pid_m, pid_n = tile_ids(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+def _pair_tile(M, units, first_unit, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, GROUP_M: tl.constexpr):
+    """(rows, units, cols) of this program's tile: BLOCK_F units of the hidden layer, counted
+    from ``first_unit``, and the 2 * BLOCK_F columns of h holding their (gate, up) pairs.
+    Written as aranges from multiples of the block (not as interleaved unit indices) so that
+    Triton sees the columns contiguous and aligned, and vectorises and pipelines the loads."""
+    pid_m, pid_n = tile_ids(M, units, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    units = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
-    cols = pid_n * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
+    units = first_unit + pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
+    cols = 2 * first_unit + pid_n * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
     return rows, units, cols
+
+
+@triton.jit
+def _split_pairs(h, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The fp32 gate and up halves of a [BLOCK_M, 2 * BLOCK_F] tile of h."""
+    return tl.split(tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_F, 2)))
 
 
 @triton.jit
@@ -63,7 +72,7 @@ def _swiglu_fwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     """One tile of h = x @ w_gate_up ([M, 2F], 2 * BLOCK_F columns = BLOCK_F pairs) and of a."""
-    rows, units, cols = _pair_tile(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+    rows, units, cols = _pair_tile(M, F, 0, BLOCK_M, BLOCK_F, GROUP_M)
     acc = mainloop(
         x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
         IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
@@ -71,8 +80,8 @@ def _swiglu_fwd_kernel(
     h = acc.to(h_ptr.dtype.element_ty)
     pair_mask = (rows < M)[:, None] & (cols < 2 * F)[None, :]
     tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h, mask=pair_mask)
-    # SwiGLU on the rounded h that backward will see, so that forward and backward agree.
-    gate, up = tl.split(tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_F, 2)))
+    # SwiGLU on the rounded h that backward will see: backward recomputes a bit for bit.
+    gate, up = _split_pairs(h, BLOCK_M, BLOCK_F)
     a = gate * tl.sigmoid(gate) * up
     mask = (rows < M)[:, None] & (units < F)[None, :]
     tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
@@ -84,34 +93,45 @@ def _swiglu_bwd_kernel(
     w_down_ptr,
     h_ptr,
     dh_ptr,
+    a_ptr,
     M,
     F,
     K,
+    first_unit,
+    units_here,
     stride_dym,
     stride_dyk,
     stride_wk,
     stride_wn,
+    WRITE_A: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """dA = dy @ w_down^T tile by tile, turned in the epilogue into (dgate, dup) pairs."""
-    rows, units, cols = _pair_tile(M, F, BLOCK_M, BLOCK_F, GROUP_M)
+    """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
+    epilogue into (dgate, dup) pairs; with WRITE_A also a = silu(gate) * up of those units,
+    into a [M, units_here] buffer. dh may be h itself: each tile is read before it is written."""
+    rows, units, cols = _pair_tile(M, units_here, first_unit, BLOCK_M, BLOCK_F, GROUP_M)
+    last_unit = first_unit + units_here
     da = mainloop(
-        dy_ptr, w_down_ptr, rows, units, M, F, K, stride_dym, stride_dyk, stride_wk, stride_wn,
+        dy_ptr, w_down_ptr, rows, units, M, last_unit, K, stride_dym, stride_dyk, stride_wk, stride_wn,
         IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
     )  # fmt: skip
-    pair_mask = (rows < M)[:, None] & (cols < 2 * F)[None, :]
-    h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0).to(tl.float32)
-    gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_F, 2)))
+    pair_mask = (rows < M)[:, None] & (cols < 2 * last_unit)[None, :]
+    h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0)
+    gate, up = _split_pairs(h, BLOCK_M, BLOCK_F)
     sig = tl.sigmoid(gate)
     silu = gate * sig
     d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = da * silu
     dh = tl.reshape(tl.join(d_gate, d_up), (BLOCK_M, 2 * BLOCK_F))
     tl.store(dh_ptr + rows[:, None] * (2 * F) + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=pair_mask)
+    if WRITE_A:
+        mask = (rows < M)[:, None] & (units < last_unit)[None, :]
+        a_offsets = rows[:, None] * units_here + (units - first_unit)[None, :]
+        tl.store(a_ptr + a_offsets, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def _plan(m: int, f: int, k: int, element_size: int):
@@ -139,23 +159,41 @@ def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor
     return a, h
 
 
-def swiglu_bwd_pairs(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """dh [M, 2F] in pair layout from dy [M, D], w_down [F, D] and the saved h."""
+def swiglu_bwd(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, want_dw_down: bool
+) -> torch.Tensor | None:
+    """Write dh [M, 2F] (pair layout) from dy [M, D], w_down [F, D] and the saved h; ``dh``
+    may be ``h`` itself. Returns dW_down = a^T dy when ``want_dw_down``, else None.
+
+    a = silu(gate) * up is recomputed by the same kernel, one half of the units at a time,
+    so that at most [M, F/2] of it is alive: with dh written over h, backward then needs no
+    more than that beyond the gradients themselves.
+    """
     m, d = dy2d.shape
     f = w_down.shape[0]
-    dh = torch.empty((m, 2 * f), dtype=h.dtype, device=h.device)
+    dw_down = torch.empty_like(w_down) if want_dw_down else None
     if m == 0 or f == 0:
-        return dh
+        if dw_down is not None:
+            dw_down.zero_()
+        return dw_down
     block_f, plan = _plan(m, f, d, dy2d.element_size())
-    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(f, block_f),)
-    _swiglu_bwd_kernel[grid](
-        dy2d, w_down, h, dh, m, f, d,
-        dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
-        IEEE=dy2d.dtype == torch.float32,
-        BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )  # fmt: skip
-    return dh
+    chunk = triton.cdiv(triton.cdiv(f, 2), block_f) * block_f
+    a_buffer = torch.empty(m * chunk, dtype=h.dtype, device=h.device) if want_dw_down else None
+    for first in range(0, f, chunk):
+        units = min(chunk, f - first)
+        a_here = a_buffer[: m * units].view(m, units) if want_dw_down else None
+        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, block_f),)
+        _swiglu_bwd_kernel[grid](
+            dy2d, w_down, h, dh, a_here, m, f, d, first, units,
+            dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
+            WRITE_A=want_dw_down,
+            IEEE=dy2d.dtype == torch.float32,
+            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
+        if want_dw_down:
+            torch.matmul(a_here.t(), dy2d, out=dw_down[first : first + units])
+    return dw_down
 
 
 @torch.library.custom_op("lstrain::swiglu_fwd", mutates_args=())
@@ -169,37 +207,50 @@ def _(x2d, w_gate_up):
     return x2d.new_empty((x2d.shape[0], f)), x2d.new_empty((x2d.shape[0], 2 * f))
 
 
-@torch.library.custom_op("lstrain::swiglu_bwd_pairs", mutates_args=())
-def _bwd_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return swiglu_bwd_pairs(dy2d, w_down, h)
+@torch.library.custom_op("lstrain::swiglu_bwd", mutates_args=())
+def _bwd_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dh = torch.empty_like(h)
+    return dh, swiglu_bwd(dy2d, w_down, h, dh, want_dw_down=True)
 
 
 @_bwd_op.register_fake
 def _(dy2d, w_down, h):
-    return torch.empty_like(h)
+    return torch.empty_like(h), torch.empty_like(w_down)
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """Autograd for :func:`swiglu_mlp`; saves x, the weights, h and a."""
+    """Autograd for :func:`swiglu_mlp`. Saves x, the weights and h; a is recomputed in
+    backward, and (outside torch.compile) dh is written over h, so the graph can be
+    backpropagated once."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down):
         x2d = x.reshape(-1, x.shape[-1])
         a, h = (_fwd_op if torch.compiler.is_compiling() else swiglu_fwd)(x2d, w_gate_up)
         y = a @ w_down
-        ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
+        ctx.save_for_backward(x2d, w_gate_up, w_down, h)
         ctx.x_shape = x.shape
+        ctx.h_overwritten = False
         return y.view(*x.shape[:-1], w_down.shape[1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
-        x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
+        if ctx.h_overwritten:
+            raise RuntimeError(
+                "swiglu_mlp: backward ran a second time through the same graph; the first overwrote "
+                "the saved activations with their gradient (retain_graph=True is not supported)"
+            )
+        x2d, w_gate_up, w_down, h = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dh = (_bwd_op if torch.compiler.is_compiling() else swiglu_bwd_pairs)(dy2d, w_down, h)
+        if torch.compiler.is_compiling():
+            dh, dw_down = _bwd_op(dy2d, w_down, h)
+        else:
+            ctx.h_overwritten = True
+            dh, dw_down = h, swiglu_bwd(dy2d, w_down, h, h, want_dw_down=ctx.needs_input_grad[2])
         dx = (dh @ w_gate_up.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dw_gate_up = x2d.t() @ dh if ctx.needs_input_grad[1] else None
-        dw_down = a.t() @ dy2d if ctx.needs_input_grad[2] else None
-        return dx, dw_gate_up, dw_down
+        return dx, dw_gate_up, dw_down if ctx.needs_input_grad[2] else None
 
 
 def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -225,6 +276,9 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices.
+        RuntimeError: (from backward) a second backward through the same graph: the first
+            wrote the gradient over the saved activations, so ``retain_graph=True`` and
+            double backward are not supported.
     """
     if x.dtype not in _SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(

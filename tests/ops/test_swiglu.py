@@ -99,7 +99,7 @@ def test_custom_ops_pass_opcheck(device):
     x, w, wd = torch.randn(5, 8, device=device), torch.randn(8, 12, device=device), torch.randn(6, 8, device=device)
     torch.library.opcheck(torch.ops.lstrain.swiglu_fwd, (x, w))
     _, h = torch.ops.lstrain.swiglu_fwd(x, w)
-    torch.library.opcheck(torch.ops.lstrain.swiglu_bwd_pairs, (torch.randn(5, 8, device=device), wd, h))
+    torch.library.opcheck(torch.ops.lstrain.swiglu_bwd, (torch.randn(5, 8, device=device), wd, h))
 
 
 def test_reference_is_the_familiar_mlp(device):
@@ -111,3 +111,25 @@ def test_reference_is_the_familiar_mlp(device):
     )
     expected = (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
     torch.testing.assert_close(swiglu_mlp_ref(x, pack_gate_up(gate, up), down), expected)
+
+
+def test_second_backward_through_the_graph_raises(device):
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    w, wd = torch.randn(8, 12, device=device), torch.randn(6, 8, device=device)
+    y = swiglu_mlp(x, w, wd).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran a second time"):
+        y.backward()
+
+
+@pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True)])
+def test_gradients_of_any_subset_of_inputs(device, wanted):
+    """Each gradient alone (dW_down alone still recomputes a, in two halves of the units)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = [torch.randn(s, device=device, generator=gen) for s in ((9, 8), (8, 2 * 37), (37, 8))]
+    ours = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
+    ref = [t.double().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
+    dy = torch.randn(9, 8, device=device, generator=gen)
+    (g,) = torch.autograd.grad(swiglu_mlp(*ours), [t for t in ours if t.requires_grad], dy)
+    (r,) = torch.autograd.grad(swiglu_mlp_ref(*ref), [t for t in ref if t.requires_grad], dy.double())
+    torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
