@@ -34,15 +34,15 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _pair_tile(M, units, first_unit, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, GROUP_M: tl.constexpr):
-    """(rows, units, cols) of this program's tile: BLOCK_F units of the hidden layer, counted
-    from ``first_unit``, and the 2 * BLOCK_F columns of h holding their (gate, up) pairs.
-    Written as aranges from multiples of the block (not as interleaved unit indices) so that
-    Triton sees the columns contiguous and aligned, and vectorises and pipelines the loads."""
-    pid_m, pid_n = tile_ids(M, units, BLOCK_M, BLOCK_F, GROUP_M)
+def _pair_tile(M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, GROUP_M: tl.constexpr):
+    """(rows, units, cols) of this program's tile: BLOCK_F units of the hidden layer and the
+    2 * BLOCK_F columns of h holding their (gate, up) pairs. Written as aranges from
+    multiples of the block (not as interleaved unit indices) so that Triton sees the columns
+    contiguous and aligned, and vectorises and pipelines the loads of the weight tiles."""
+    pid_m, pid_n = tile_ids(M, F, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    units = first_unit + pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
-    cols = 2 * first_unit + pid_n * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
+    units = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
+    cols = pid_n * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
     return rows, units, cols
 
 
@@ -72,7 +72,7 @@ def _swiglu_fwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     """One tile of h = x @ w_gate_up ([M, 2F], 2 * BLOCK_F columns = BLOCK_F pairs) and of a."""
-    rows, units, cols = _pair_tile(M, F, 0, BLOCK_M, BLOCK_F, GROUP_M)
+    rows, units, cols = _pair_tile(M, F, BLOCK_M, BLOCK_F, GROUP_M)
     acc = mainloop(
         x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
         IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
@@ -85,6 +85,86 @@ def _swiglu_fwd_kernel(
     a = gate * tl.sigmoid(gate) * up
     mask = (rows < M)[:, None] & (units < F)[None, :]
     tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mainloop_two_halves(
+    a_ptr,
+    b_ptr,
+    rows,
+    cols,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 A[rows, :] @ B[:, cols] and A[rows, :] @ B[:, cols + BLOCK_N], edges masked: one
+    2 * BLOCK_N wide tile of the product (each A tile loaded once for both) held as two
+    accumulators, so that an epilogue can take one half at a time."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
+        b0 = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
+        b1 = tl.load(
+            b_ptrs + BLOCK_N * stride_bn, mask=(ks < k_left)[:, None] & (cols + BLOCK_N < N)[None, :], other=0.0
+        )
+        if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
+            acc0 = tl.dot(a, b0, acc0, input_precision="ieee")
+            acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
+        else:
+            acc0 = tl.dot(a, b0, acc0)
+            acc1 = tl.dot(a, b1, acc1)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc0, acc1
+
+
+@triton.jit
+def _swiglu_grad_half(
+    da,
+    h_ptr,
+    dh_ptr,
+    a_ptr,
+    rows,
+    half_first,
+    M,
+    F,
+    first_unit,
+    units_here,
+    WRITE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """The epilogue for dA of the BLOCK_F units from ``half_first``: (dgate, dup) pairs over
+    their tile of h, and a = silu(gate) * up into the [M, units_here] buffer."""
+    units = half_first + tl.arange(0, BLOCK_F)
+    cols = 2 * half_first + tl.arange(0, 2 * BLOCK_F)
+    last_unit = first_unit + units_here
+    pair_mask = (rows < M)[:, None] & (cols < 2 * last_unit)[None, :]
+    h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0)
+    gate, up = _split_pairs(h, BLOCK_M, BLOCK_F)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = da * silu
+    dh = tl.reshape(tl.join(d_gate, d_up), (BLOCK_M, 2 * BLOCK_F))
+    tl.store(dh_ptr + rows[:, None] * (2 * F) + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=pair_mask)
+    if WRITE_A:
+        mask = (rows < M)[:, None] & (units < last_unit)[None, :]
+        a_offsets = rows[:, None] * units_here + (units - first_unit)[None, :]
+        tl.store(a_ptr + a_offsets, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -112,26 +192,25 @@ def _swiglu_bwd_kernel(
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
     epilogue into (dgate, dup) pairs; with WRITE_A also a = silu(gate) * up of those units,
-    into a [M, units_here] buffer. dh may be h itself: each tile is read before it is written."""
-    rows, units, cols = _pair_tile(M, units_here, first_unit, BLOCK_M, BLOCK_F, GROUP_M)
+    into a [M, units_here] buffer. dh may be h itself: each tile is read before it is written.
+
+    A program owns 2 * BLOCK_F units: the mainloop runs at the full tile width, and the
+    epilogue, which needs twice dA's width of h, takes one half at a time."""
+    pid_m, pid_n = tile_ids(M, units_here, BLOCK_M, 2 * BLOCK_F, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile_first = first_unit + pid_n * (2 * BLOCK_F)
+    units = tile_first + tl.arange(0, BLOCK_F)
     last_unit = first_unit + units_here
-    da = mainloop(
+    da0, da1 = _mainloop_two_halves(
         dy_ptr, w_down_ptr, rows, units, M, last_unit, K, stride_dym, stride_dyk, stride_wk, stride_wn,
         IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
     )  # fmt: skip
-    pair_mask = (rows < M)[:, None] & (cols < 2 * last_unit)[None, :]
-    h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0)
-    gate, up = _split_pairs(h, BLOCK_M, BLOCK_F)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = da * silu
-    dh = tl.reshape(tl.join(d_gate, d_up), (BLOCK_M, 2 * BLOCK_F))
-    tl.store(dh_ptr + rows[:, None] * (2 * F) + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=pair_mask)
-    if WRITE_A:
-        mask = (rows < M)[:, None] & (units < last_unit)[None, :]
-        a_offsets = rows[:, None] * units_here + (units - first_unit)[None, :]
-        tl.store(a_ptr + a_offsets, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+    _swiglu_grad_half(
+        da0, h_ptr, dh_ptr, a_ptr, rows, tile_first, M, F, first_unit, units_here, WRITE_A, BLOCK_M, BLOCK_F
+    )
+    _swiglu_grad_half(
+        da1, h_ptr, dh_ptr, a_ptr, rows, tile_first + BLOCK_F, M, F, first_unit, units_here, WRITE_A, BLOCK_M, BLOCK_F
+    )
 
 
 def _plan(m: int, f: int, k: int, element_size: int):
@@ -176,13 +255,14 @@ def swiglu_bwd(
         if dw_down is not None:
             dw_down.zero_()
         return dw_down
-    block_f, plan = _plan(m, f, d, dy2d.element_size())
-    chunk = triton.cdiv(triton.cdiv(f, 2), block_f) * block_f
+    plan = gemm_plan(m, f, d, dy2d.element_size())
+    block_f = max(16, plan.block_n // 2)  # two halves per program: dA tiles block_n wide
+    chunk = triton.cdiv(triton.cdiv(f, 2), 2 * block_f) * 2 * block_f
     a_buffer = torch.empty(m * chunk, dtype=h.dtype, device=h.device) if want_dw_down else None
     for first in range(0, f, chunk):
         units = min(chunk, f - first)
         a_here = a_buffer[: m * units].view(m, units) if want_dw_down else None
-        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, block_f),)
+        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f),)
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, a_here, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides

@@ -122,14 +122,16 @@ def test_second_backward_through_the_graph_raises(device):
         y.backward()
 
 
-@pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True)])
+@pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True), (True,) * 3])
 def test_gradients_of_any_subset_of_inputs(device, wanted):
-    """Each gradient alone (dW_down alone still recomputes a, in two halves of the units)."""
+    """Each gradient alone and all three, with F = 300: backward recomputes a in two launches
+    over halves of the units (256 + 44), each with a partial tile."""
     gen = torch.Generator(device=device).manual_seed(0)
-    inputs = [torch.randn(s, device=device, generator=gen) for s in ((9, 8), (8, 2 * 37), (37, 8))]
+    inputs = [torch.randn(s, device=device, generator=gen) for s in ((9, 8), (8, 2 * 300), (300, 8))]
     ours = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     ref = [t.double().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     dy = torch.randn(9, 8, device=device, generator=gen)
-    (g,) = torch.autograd.grad(swiglu_mlp(*ours), [t for t in ours if t.requires_grad], dy)
-    (r,) = torch.autograd.grad(swiglu_mlp_ref(*ref), [t for t in ref if t.requires_grad], dy.double())
-    torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+    grads = torch.autograd.grad(swiglu_mlp(*ours), [t for t in ours if t.requires_grad], dy)
+    expected = torch.autograd.grad(swiglu_mlp_ref(*ref), [t for t in ref if t.requires_grad], dy.double())
+    for g, r in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
