@@ -78,7 +78,7 @@ def _write_gradient(
     # Backwards through the row, tail first: the chunks the statistics sweep read last are
     # the likeliest to be still in L2. Masks only on the tail (they cost instructions); each
     # chunk is loaded one iteration ahead of its use, so two per thread are in flight. The
-    # row is not read again, and the gradient is not read here: both may leave L2 first.
+    # row is not read again and the gradient not read here: both may leave L2 first.
     full = vocab - vocab % BLOCK
     if full < vocab:
         c = full + col
@@ -116,8 +116,7 @@ def _online_update(x, lane_max, lane_sum):
 
 
 @triton.jit
-def _row_loss_and_gradient(
-    row,
+def _cross_entropy_fwd_kernel(
     logits_ptr,
     target_ptr,
     loss_ptr,
@@ -137,6 +136,9 @@ def _row_loss_and_gradient(
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    row = tl.program_id(0).to(tl.int64)
+    smoothing = tl.cast(smoothing, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
     target = tl.load(target_ptr + row).to(tl.int64)
     ignored = target == ignore_index
     bad = ((target < 0) | (target >= vocab)) & ~ignored
@@ -148,7 +150,7 @@ def _row_loss_and_gradient(
     lane_total = tl.zeros([BLOCK], dtype=tl.float32)
     # Whole chunks unmasked, then the tail: masks cost instructions. Each chunk is loaded
     # one iteration ahead of its use, so two chunks per thread are in flight at a time;
-    # the gradient sweep reads the row again, so it should stay in L2.
+    # the row should stay in L2 for the gradient sweep.
     full = vocab - vocab % BLOCK
     if full > 0:
         x = tl.load(x_row + col, eviction_policy="evict_last")
@@ -191,40 +193,6 @@ def _row_loss_and_gradient(
         scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
         grad_row = grad_ptr + row * grad_row_stride
         _write_gradient(x_row, grad_row, vocab, target, row_max, sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, BLOCK)
-
-
-@triton.jit
-def _cross_entropy_fwd_kernel(
-    logits_ptr,
-    target_ptr,
-    loss_ptr,
-    stats_ptr,
-    grad_ptr,
-    count_ptr,
-    rows,
-    vocab,
-    logits_row_stride,
-    grad_row_stride,
-    ignore_index,
-    smoothing,
-    z_loss,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-    MEAN: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """A fixed number of programs, each walking rows pid, pid + programs, ...: the rows
-    in flight at a time (and so what must stay in L2 between a row's two sweeps) are
-    bounded by the grid, not by how many programs fit on the GPU."""
-    smoothing = tl.cast(smoothing, tl.float32)
-    z_loss = tl.cast(z_loss, tl.float32)
-    for row in range(tl.program_id(0).to(tl.int64), rows, tl.num_programs(0)):
-        _row_loss_and_gradient(
-            row, logits_ptr, target_ptr, loss_ptr, stats_ptr, grad_ptr, count_ptr,
-            rows, vocab, logits_row_stride, grad_row_stride, ignore_index, smoothing, z_loss,
-            HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, MEAN, BLOCK,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -282,26 +250,24 @@ def _scale_unless_one_kernel(grad_ptr, grad_output_ptr, elements, BLOCK: tl.cons
 
 @dataclass(frozen=True)
 class CrossEntropyPlan:
-    """Launch settings: ``programs_per_sm`` programs per multiprocessor walk the rows, one
-    at a time, sweeping each in chunks of ``block`` logits with ``num_warps`` warps."""
+    """Launch settings: one program per row, sweeping it in chunks of ``block`` logits."""
 
     block: int
     num_warps: int
-    programs_per_sm: int
 
 
 @functools.cache
 def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
     """Launch settings for rows of ``vocab`` logits (a pure function).
 
-    Chunks of up to 4096 logits. Rows in flight = programs_per_sm x SMs: their bytes
-    (read twice: statistics, then gradient) must stay well inside the 50 MB L2, so long
-    rows get one program per SM, with more warps to keep enough loads in flight.
+    Chunks of up to 4096 logits, 4 per thread (8 beyond V = 65536): the fastest plans of
+    the H200 sweep (``python -m benchmarks.sweep --op cross_entropy``) at V = 50257 and
+    128256, where 8192-wide chunks with 16 warps were 1.4-1.7x slower. The loop is
+    arithmetic-bound (per-lane online max / sum-exp), so more threads per row pay.
     """
     block = min(4096, triton.next_power_of_2(vocab))
-    if vocab <= 65536:
-        return CrossEntropyPlan(block, num_warps=max(1, min(16, block // 128)), programs_per_sm=2)
-    return CrossEntropyPlan(block, num_warps=max(1, min(32, block // 128)), programs_per_sm=1)
+    per_thread = 4 if vocab <= 65536 else 8
+    return CrossEntropyPlan(block, num_warps=max(1, min(32, block // (32 * per_thread))))
 
 
 def cross_entropy_fwd(
@@ -337,8 +303,7 @@ def cross_entropy_fwd(
         return loss, stats
     plan = plan or cross_entropy_plan(vocab)
     write_grad = grad_scale is not None
-    sms = _backend.multiprocessor_count(_backend.device_index(x))
-    _cross_entropy_fwd_kernel[(min(rows, sms * plan.programs_per_sm),)](
+    _cross_entropy_fwd_kernel[(rows,)](
         x, flat_target, loss, stats, grad_out if write_grad else None, valid_rows,
         rows, vocab, x.stride(0), grad_out.stride(0) if write_grad else 0,
         ignore_index, label_smoothing, z_loss,

@@ -125,7 +125,7 @@ def test_second_backward_through_the_graph_raises(device):
 @pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True), (True,) * 3])
 def test_gradients_of_any_subset_of_inputs(device, wanted):
     """Each gradient alone and all three, with F = 300: backward recomputes a in two launches
-    over halves of the units (256 + 44), each with a partial tile."""
+    over halves of the units (192 + 108 here), the second with partial tiles."""
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = [torch.randn(s, device=device, generator=gen) for s in ((9, 8), (8, 2 * 300), (300, 8))]
     ours = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
