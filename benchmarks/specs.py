@@ -21,6 +21,7 @@ from lstrain.ops import (
     linear_cross_entropy,
     swiglu_mlp,
 )
+from lstrain.ops.swiglu import PAIR_BLOCK
 
 
 @dataclass
@@ -254,9 +255,13 @@ def swiglu_mlp_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
         w_down = (torch.randn(hidden, dim, device="cuda", dtype=dtype, generator=gen) * hidden**-0.5).requires_grad_()
         return {"x": x, "w_gate_up": w_gate_up, "w_down": w_down}
 
+    def gate_and_up(h):  # views of the pair layout (hidden is a multiple of PAIR_BLOCK)
+        pairs = h.view(tokens, -1, 2, PAIR_BLOCK)
+        return pairs[:, :, 0], pairs[:, :, 1]
+
     def eager(x, w_gate_up, w_down):
-        h = x @ w_gate_up
-        return (torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]) @ w_down
+        gate, up = gate_and_up(x @ w_gate_up)
+        return (torch.nn.functional.silu(gate) * up).reshape(tokens, hidden) @ w_down
 
     impls = {"lstrain": swiglu_mlp, "eager": eager, "torch.compile": eager}
     try:
@@ -266,8 +271,8 @@ def swiglu_mlp_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     else:
 
         def liger(x, w_gate_up, w_down):
-            h = x @ w_gate_up
-            return LigerSiLUMulFunction.apply(h[:, 0::2], h[:, 1::2]) @ w_down
+            gate, up = gate_and_up(x @ w_gate_up)
+            return LigerSiLUMulFunction.apply(gate, up).reshape(tokens, hidden) @ w_down
 
         impls["liger"] = liger
     element = torch.finfo(dtype).bits // 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lstrain.ops.swiglu import swiglu_mlp
+from lstrain.ops.swiglu import pack_gate_up, swiglu_mlp, unpack_gate_up
 
 __all__ = ["SwiGLUMLP"]
 
@@ -13,7 +13,7 @@ class SwiGLUMLP(torch.nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, bias-free, as in LLaMA.
 
     The gate and up weights are held as one ``gate_up_weight`` of shape ``[2F, D]`` whose
-    rows alternate gate and up (the pair layout of :mod:`lstrain.ops.swiglu`), but the
+    rows are in the pair layout of :mod:`lstrain.ops.swiglu`, but the
     state_dict uses the familiar keys and shapes: ``gate_proj.weight`` and
     ``up_proj.weight`` ``[F, D]``, ``down_proj.weight`` ``[D, F]`` — checkpoints of
     HF-style MLPs load as they are.
@@ -45,9 +45,9 @@ class SwiGLUMLP(torch.nn.Module):
 
 
 def _to_separate_weights(module, state_dict, prefix, local_metadata):
-    gate_up = state_dict.pop(prefix + "gate_up_weight")
-    state_dict[prefix + "gate_proj.weight"] = gate_up[0::2]
-    state_dict[prefix + "up_proj.weight"] = gate_up[1::2]
+    gate, up = unpack_gate_up(state_dict.pop(prefix + "gate_up_weight").t())
+    state_dict[prefix + "gate_proj.weight"] = gate.t()
+    state_dict[prefix + "up_proj.weight"] = up.t()
     state_dict[prefix + "down_proj.weight"] = state_dict.pop(prefix + "down_weight")
 
 
@@ -55,5 +55,5 @@ def _from_separate_weights(state_dict, prefix, local_metadata, strict, missing_k
     keys = (prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "down_proj.weight")
     if all(key in state_dict for key in keys):
         gate, up, down = (state_dict.pop(key) for key in keys)
-        state_dict[prefix + "gate_up_weight"] = torch.stack((gate, up), dim=1).reshape(-1, gate.shape[1])
+        state_dict[prefix + "gate_up_weight"] = pack_gate_up(gate.t(), up.t()).t()
         state_dict[prefix + "down_weight"] = down

@@ -1,21 +1,26 @@
 """SwiGLU MLP, y = (silu(x W_gate) * (x W_up)) W_down, with SwiGLU inside GEMM epilogues.
 
-The pair layout: gate and up projections live in one ``[D, 2F]`` matrix ``w_gate_up``
-whose columns alternate gate and up — column ``2i`` is gate unit ``i``, column ``2i + 1``
-is up unit ``i`` — so every output tile of ``x @ w_gate_up`` holds whole (gate, up) pairs.
+The pair layout: gate and up projections live in one ``[D, 2F]`` matrix ``w_gate_up`` made
+of pair blocks of ``PAIR_BLOCK`` (128) hidden units: block ``b`` holds the gate columns of
+units ``128b .. 128b + w - 1`` followed by their up columns (``w = 128``, or what is left
+for the last block when F is not a multiple of 128). So every GEMM tile holds whole
+(gate, up) pairs, and, unlike alternating gate and up columns, as two contiguous halves:
+the mainloop keeps one accumulator for each and the epilogue needs no shuffle.
 (:func:`pack_gate_up` builds it from the usual separate weights; ``lstrain.nn.SwiGLUMLP``
 keeps the familiar ``gate_proj`` / ``up_proj`` / ``down_proj`` state_dict keys.)
 
-Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue splits each tile into its gate and
-up halves and writes ``a = silu(gate) * up`` (half the width) and ``h`` itself, the only
-activation saved for backward; then ``y = a @ w_down`` (cuBLAS).
+Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue writes ``h`` (the only activation
+saved for backward) and ``a = silu(gate) * up`` (half the width); then ``y = a @ w_down``
+(cuBLAS).
 
-Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved (gate, up)
-tile and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` as pairs
-(width doubles) over that same tile of h; dA itself never reaches memory. The same epilogue
-recomputes a for dW_down = a^T dy, half of the units at a time. Then the usual GEMMs
-(cuBLAS) for dx and dW_gate_up. Memory beyond the inputs and gradients: h, and half of a
-while backward runs.
+Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved gate and up
+tiles and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` over that
+same tile of h; dA itself never reaches memory. The same epilogue recomputes a for
+dW_down = a^T dy, half of the units at a time. Then the usual GEMMs (cuBLAS) for dx and
+dW_gate_up. Memory beyond the inputs and gradients: h, and half of a while backward runs.
+
+A last, partial pair block (F not a multiple of 128) is launched on its own: its up
+columns start at a run-time offset, which would cost every other tile its aligned loads.
 """
 
 from __future__ import annotations
@@ -26,75 +31,40 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from lstrain import _backend
-from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
+from lstrain.ops.gemm import gemm_plan, tile_ids
 
-__all__ = ["SwiGLUFunction", "pack_gate_up", "swiglu_mlp", "swiglu_mlp_ref", "unpack_gate_up"]
+__all__ = [
+    "PAIR_BLOCK",
+    "SwiGLUFunction",
+    "pack_gate_up",
+    "swiglu_mlp",
+    "swiglu_mlp_ref",
+    "unpack_gate_up",
+]
+
+PAIR_BLOCK = 128
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _pair_tile(M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, GROUP_M: tl.constexpr):
-    """(rows, units, cols) of this program's tile: BLOCK_F units of the hidden layer and the
-    2 * BLOCK_F columns of h holding their (gate, up) pairs. Written as aranges from
-    multiples of the block (not as interleaved unit indices) so that Triton sees the columns
-    contiguous and aligned, and vectorises and pipelines the loads of the weight tiles."""
-    pid_m, pid_n = tile_ids(M, F, BLOCK_M, BLOCK_F, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    units = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
-    cols = pid_n * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
-    return rows, units, cols
+def _gate_column(first_unit, unit_in_launch, PAIR: tl.constexpr):
+    """Column of h holding the gate of unit ``first_unit + unit_in_launch`` (first_unit a
+    multiple of PAIR): every pair block before it takes 2 * PAIR columns."""
+    block = unit_in_launch // PAIR
+    return 2 * first_unit + block * (2 * PAIR) + (unit_in_launch - block * PAIR)
 
 
 @triton.jit
-def _split_pairs(h, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
-    """The fp32 gate and up halves of a [BLOCK_M, 2 * BLOCK_F] tile of h."""
-    return tl.split(tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_F, 2)))
-
-
-@triton.jit
-def _swiglu_fwd_kernel(
-    x_ptr,
-    w_ptr,
-    a_ptr,
-    h_ptr,
-    M,
-    F,
-    K,
-    stride_xm,
-    stride_xk,
-    stride_wk,
-    stride_wn,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """One tile of h = x @ w_gate_up ([M, 2F], 2 * BLOCK_F columns = BLOCK_F pairs) and of a."""
-    rows, units, cols = _pair_tile(M, F, BLOCK_M, BLOCK_F, GROUP_M)
-    acc = mainloop(
-        x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
-        IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
-    )  # fmt: skip
-    h = acc.to(h_ptr.dtype.element_ty)
-    pair_mask = (rows < M)[:, None] & (cols < 2 * F)[None, :]
-    tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h, mask=pair_mask)
-    # SwiGLU on the rounded h that backward will see: backward recomputes a bit for bit.
-    gate, up = _split_pairs(h, BLOCK_M, BLOCK_F)
-    a = gate * tl.sigmoid(gate) * up
-    mask = (rows < M)[:, None] & (units < F)[None, :]
-    tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _mainloop_two_halves(
+def _mainloop_pairs(
     a_ptr,
     b_ptr,
     rows,
-    cols,
+    gate_cols,
+    up_offset,
+    gate_ok,
+    up_ok,
     M,
-    N,
     K,
     stride_am,
     stride_ak,
@@ -105,21 +75,20 @@ def _mainloop_two_halves(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """fp32 A[rows, :] @ B[:, cols] and A[rows, :] @ B[:, cols + BLOCK_N], edges masked: one
-    2 * BLOCK_N wide tile of the product (each A tile loaded once for both) held as two
-    accumulators, so that an epilogue can take one half at a time."""
+    """fp32 A[rows, :] @ B[:, gate_cols] and A[rows, :] @ B[:, gate_cols + up_offset], edges
+    masked: one tile of the product over two column blocks (each A tile loaded once for
+    both), as two accumulators."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + gate_cols[None, :] * stride_bn
     acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
-        b0 = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
-        b1 = tl.load(
-            b_ptrs + BLOCK_N * stride_bn, mask=(ks < k_left)[:, None] & (cols + BLOCK_N < N)[None, :], other=0.0
-        )
+        k_ok = (ks < k_left)[:, None]
+        b0 = tl.load(b_ptrs, mask=k_ok & gate_ok[None, :], other=0.0)
+        b1 = tl.load(b_ptrs + up_offset * stride_bn, mask=k_ok & up_ok[None, :], other=0.0)
         if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
             acc0 = tl.dot(a, b0, acc0, input_precision="ieee")
             acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
@@ -132,38 +101,91 @@ def _mainloop_two_halves(
 
 
 @triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    a_ptr,
+    h_ptr,
+    M,
+    F,
+    K,
+    first_unit,
+    units_here,
+    stride_xm,
+    stride_xk,
+    stride_wk,
+    stride_wn,
+    TAIL: tl.constexpr,
+    IEEE: tl.constexpr,
+    PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One tile of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a, over
+    units [first_unit, first_unit + units_here): whole pair blocks, or (TAIL) the last,
+    partial one."""
+    pid_m, pid_n = tile_ids(M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
+    unit_ok = unit_in_launch < units_here
+    gate_cols = _gate_column(first_unit, pid_n * BLOCK_F, PAIR) + tl.arange(0, BLOCK_F)
+    if TAIL:
+        up_offset = units_here
+    else:
+        up_offset = PAIR
+    acc_gate, acc_up = _mainloop_pairs(
+        x_ptr, w_ptr, rows, gate_cols, up_offset, unit_ok, unit_ok, M, K, stride_xm, stride_xk, stride_wk, stride_wn,
+        IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
+    )  # fmt: skip
+    mask = (rows < M)[:, None] & unit_ok[None, :]
+    h_gate = acc_gate.to(h_ptr.dtype.element_ty)
+    h_up = acc_up.to(h_ptr.dtype.element_ty)
+    h_ptrs = h_ptr + rows[:, None] * (2 * F) + gate_cols[None, :]
+    tl.store(h_ptrs, h_gate, mask=mask)
+    tl.store(h_ptrs + up_offset, h_up, mask=mask)
+    # SwiGLU on the rounded h that backward will see: backward recomputes a bit for bit.
+    gate = h_gate.to(tl.float32)
+    a = gate * tl.sigmoid(gate) * h_up.to(tl.float32)
+    units = first_unit + unit_in_launch
+    tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _swiglu_grad_half(
     da,
     h_ptr,
     dh_ptr,
     a_ptr,
     rows,
-    half_first,
+    unit_start,
     M,
     F,
     first_unit,
     units_here,
+    up_offset,
     WRITE_A: tl.constexpr,
+    PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """The epilogue for dA of the BLOCK_F units from ``half_first``: (dgate, dup) pairs over
-    their tile of h, and a = silu(gate) * up into the [M, units_here] buffer."""
-    units = half_first + tl.arange(0, BLOCK_F)
-    cols = 2 * half_first + tl.arange(0, 2 * BLOCK_F)
-    last_unit = first_unit + units_here
-    pair_mask = (rows < M)[:, None] & (cols < 2 * last_unit)[None, :]
-    h = tl.load(h_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=pair_mask, other=0.0)
-    gate, up = _split_pairs(h, BLOCK_M, BLOCK_F)
+    """The epilogue for dA of BLOCK_F units from ``unit_start`` (counted in the launch):
+    dgate and dup over their gate and up tiles of h, and a = silu(gate) * up into the
+    [M, units_here] buffer."""
+    unit_in_launch = unit_start + tl.arange(0, BLOCK_F)
+    mask = (rows < M)[:, None] & (unit_in_launch < units_here)[None, :]
+    gate_cols = _gate_column(first_unit, unit_start, PAIR) + tl.arange(0, BLOCK_F)
+    offsets = rows[:, None] * (2 * F) + gate_cols[None, :]
+    gate = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + offsets + up_offset, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
     d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = da * silu
-    dh = tl.reshape(tl.join(d_gate, d_up), (BLOCK_M, 2 * BLOCK_F))
-    tl.store(dh_ptr + rows[:, None] * (2 * F) + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=pair_mask)
+    tl.store(dh_ptr + offsets, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + offsets + up_offset, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
     if WRITE_A:
-        mask = (rows < M)[:, None] & (units < last_unit)[None, :]
-        a_offsets = rows[:, None] * units_here + (units - first_unit)[None, :]
+        a_offsets = rows[:, None] * units_here + unit_in_launch[None, :]
         tl.store(a_ptr + a_offsets, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
 
@@ -183,39 +205,62 @@ def _swiglu_bwd_kernel(
     stride_dyk,
     stride_wk,
     stride_wn,
+    TAIL: tl.constexpr,
     WRITE_A: tl.constexpr,
     IEEE: tl.constexpr,
+    PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
-    epilogue into (dgate, dup) pairs; with WRITE_A also a = silu(gate) * up of those units,
-    into a [M, units_here] buffer. dh may be h itself: each tile is read before it is written.
+    epilogue into dgate and dup; with WRITE_A also a = silu(gate) * up of those units, into
+    a [M, units_here] buffer. dh may be h itself: each tile is read before it is written.
 
-    A program owns 2 * BLOCK_F units: the mainloop runs at the full tile width, and the
-    epilogue, which needs twice dA's width of h, takes one half at a time."""
+    A program owns 2 * BLOCK_F units: the mainloop runs at twice the width the epilogue
+    can hold in registers (it needs gate and up beside dA), so the epilogue takes one half
+    at a time."""
     pid_m, pid_n = tile_ids(M, units_here, BLOCK_M, 2 * BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tile_first = first_unit + pid_n * (2 * BLOCK_F)
-    units = tile_first + tl.arange(0, BLOCK_F)
-    last_unit = first_unit + units_here
-    da0, da1 = _mainloop_two_halves(
-        dy_ptr, w_down_ptr, rows, units, M, last_unit, K, stride_dym, stride_dyk, stride_wk, stride_wn,
-        IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
+    tile_start = pid_n * (2 * BLOCK_F)
+    units = first_unit + tile_start + tl.arange(0, BLOCK_F)
+    first_ok = tile_start + tl.arange(0, BLOCK_F) < units_here
+    second_ok = tile_start + BLOCK_F + tl.arange(0, BLOCK_F) < units_here
+    # The two halves are BLOCK_F units apart in w_down^T, like two column blocks of a pair.
+    da0, da1 = _mainloop_pairs(
+        dy_ptr, w_down_ptr, rows, units, BLOCK_F, first_ok, second_ok, M, K,
+        stride_dym, stride_dyk, stride_wk, stride_wn, IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
+    )  # fmt: skip
+    if TAIL:
+        up_offset = units_here
+    else:
+        up_offset = PAIR
+    _swiglu_grad_half(
+        da0, h_ptr, dh_ptr, a_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset,
+        WRITE_A, PAIR, BLOCK_M, BLOCK_F,
     )  # fmt: skip
     _swiglu_grad_half(
-        da0, h_ptr, dh_ptr, a_ptr, rows, tile_first, M, F, first_unit, units_here, WRITE_A, BLOCK_M, BLOCK_F
-    )
-    _swiglu_grad_half(
-        da1, h_ptr, dh_ptr, a_ptr, rows, tile_first + BLOCK_F, M, F, first_unit, units_here, WRITE_A, BLOCK_M, BLOCK_F
-    )
+        da1, h_ptr, dh_ptr, a_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset,
+        WRITE_A, PAIR, BLOCK_M, BLOCK_F,
+    )  # fmt: skip
 
 
-def _plan(m: int, f: int, k: int, element_size: int):
-    plan = gemm_plan(m, 2 * f, k, element_size)
-    return max(16, plan.block_n // 2), plan  # block_f units = block_n pair columns
+def _launches(f: int, chunks: int = 1) -> list[tuple[int, int, bool]]:
+    """``(first_unit, units, tail)`` of each launch over F units: the whole pair blocks,
+    in ``chunks`` runs of about equal length, then the partial block if there is one."""
+    whole = f - f % PAIR_BLOCK
+    per_chunk = triton.cdiv(triton.cdiv(whole, PAIR_BLOCK), chunks) * PAIR_BLOCK
+    launches = [(first, min(per_chunk, whole - first), False) for first in range(0, whole, max(per_chunk, 1))]
+    if whole < f:
+        launches.append((whole, f - whole, True))
+    return launches
+
+
+def _fwd_block_f(plan) -> int:
+    """Units per forward tile: half the GEMM tile's columns (gate and up), a divisor of
+    PAIR_BLOCK."""
+    return min(PAIR_BLOCK, max(16, plan.block_n // 2))
 
 
 def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,15 +271,17 @@ def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor
     h = torch.empty((m, 2 * f), dtype=x2d.dtype, device=x2d.device)
     if m == 0 or f == 0:
         return a, h
-    block_f, plan = _plan(m, f, k, x2d.element_size())
-    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(f, block_f),)
-    _swiglu_fwd_kernel[grid](
-        x2d, w_gate_up, a, h, m, f, k,
-        x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
-        IEEE=x2d.dtype == torch.float32,
-        BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )  # fmt: skip
+    plan = gemm_plan(m, 2 * f, k, x2d.element_size())
+    block_f = _fwd_block_f(plan)
+    for first, units, tail in _launches(f):
+        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, block_f),)
+        _swiglu_fwd_kernel[grid](
+            x2d, w_gate_up, a, h, m, f, k, first, units,
+            x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
+            TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
+            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
     return a, h
 
 
@@ -256,21 +303,20 @@ def swiglu_bwd(
             dw_down.zero_()
         return dw_down
     plan = gemm_plan(m, f, d, dy2d.element_size())
-    # Two halves of block_f units per program: dA tiles of 2 * block_f columns. Halves of a
-    # quarter of the GEMM's tile width: on the H200 (16384 x 4096 -> 11008), 128-wide dA
-    # tiles took 4.26 ms, 256-wide ones 6.55 (the epilogue of a 128-unit half spills).
-    block_f = max(16, plan.block_n // 4)
-    chunk = triton.cdiv(triton.cdiv(f, 2), 2 * block_f) * 2 * block_f
-    a_buffer = torch.empty(m * chunk, dtype=h.dtype, device=h.device) if want_dw_down else None
-    for first in range(0, f, chunk):
-        units = min(chunk, f - first)
+    # Two halves of block_f units per program: dA tiles of 2 * block_f columns, half the
+    # GEMM's tile width: on the H200 (16384 x 4096 -> 11008), 128-wide dA tiles took
+    # 4.26 ms, 256-wide ones 6.55 (the epilogue of a 128-unit half spills).
+    block_f = min(PAIR_BLOCK // 2, max(16, plan.block_n // 4))
+    launches = _launches(f, chunks=2)
+    most = max(units for _, units, _ in launches)
+    a_buffer = torch.empty(m * most, dtype=h.dtype, device=h.device) if want_dw_down else None
+    for first, units, tail in launches:
         a_here = a_buffer[: m * units].view(m, units) if want_dw_down else None
         grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f),)
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, a_here, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
-            WRITE_A=want_dw_down,
-            IEEE=dy2d.dtype == torch.float32,
+            TAIL=tail, WRITE_A=want_dw_down, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
@@ -337,13 +383,22 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """``[D, 2F]`` pair layout from ``[D, F]`` gate and up matrices (x @ w convention)."""
-    return torch.stack((w_gate, w_up), dim=-1).reshape(w_gate.shape[0], -1)
+    """``[D, 2F]`` in the pair layout from ``[D, F]`` gate and up matrices (x @ w convention)."""
+    d, f = w_gate.shape
+    whole = f - f % PAIR_BLOCK
+    blocks = torch.stack((w_gate[:, :whole].reshape(d, -1, PAIR_BLOCK), w_up[:, :whole].reshape(d, -1, PAIR_BLOCK)), 2)
+    return torch.cat((blocks.reshape(d, 2 * whole), w_gate[:, whole:], w_up[:, whole:]), dim=1)
 
 
 def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``[D, F]`` gate and up matrices (views) of a pair-layout ``[D, 2F]`` matrix."""
-    return w_gate_up[:, 0::2], w_gate_up[:, 1::2]
+    """The ``[D, F]`` gate and up matrices (new tensors) of a pair-layout ``[D, 2F]`` matrix."""
+    d, f = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    whole = f - f % PAIR_BLOCK
+    blocks = w_gate_up[:, : 2 * whole].reshape(d, -1, 2, PAIR_BLOCK)
+    tail = w_gate_up[:, 2 * whole :]
+    gate = torch.cat((blocks[:, :, 0].reshape(d, whole), tail[:, : f - whole]), dim=1)
+    up = torch.cat((blocks[:, :, 1].reshape(d, whole), tail[:, f - whole :]), dim=1)
+    return gate, up
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,15 @@ def test_matches_torch(case):
 
 
 def test_pair_layout_round_trip(device):
-    gate, up = torch.randn(6, 4, device=device), torch.randn(6, 4, device=device)
+    """F = 300: two whole pair blocks (128 gate columns, then their 128 up columns) and a
+    partial one (44 and 44)."""
+    gate, up = torch.randn(6, 300, device=device), torch.randn(6, 300, device=device)
     packed = pack_gate_up(gate, up)
-    assert packed.shape == (6, 8) and torch.equal(packed[:, 0], gate[:, 0]) and torch.equal(packed[:, 1], up[:, 0])
+    assert packed.shape == (6, 600)
+    for block in range(2):
+        assert torch.equal(packed[:, 256 * block : 256 * block + 128], gate[:, 128 * block : 128 * (block + 1)])
+        assert torch.equal(packed[:, 256 * block + 128 : 256 * (block + 1)], up[:, 128 * block : 128 * (block + 1)])
+    assert torch.equal(packed[:, 512:556], gate[:, 256:]) and torch.equal(packed[:, 556:], up[:, 256:])
     g, u = unpack_gate_up(packed)
     assert torch.equal(g, gate) and torch.equal(u, up)
 
@@ -124,14 +130,16 @@ def test_second_backward_through_the_graph_raises(device):
 
 @pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True), (True,) * 3])
 def test_gradients_of_any_subset_of_inputs(device, wanted):
-    """Each gradient alone and all three, with F = 300: backward recomputes a in two launches
-    over halves of the units (192 + 108 here), the second with partial tiles."""
+    """Each gradient alone and all three, with F = 300: two whole pair blocks, launched as two
+    halves of the units in backward (a is recomputed per half), and the partial block."""
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = [torch.randn(s, device=device, generator=gen) for s in ((9, 8), (8, 2 * 300), (300, 8))]
     ours = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     ref = [t.double().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     dy = torch.randn(9, 8, device=device, generator=gen)
-    grads = torch.autograd.grad(swiglu_mlp(*ours), [t for t in ours if t.requires_grad], dy)
-    expected = torch.autograd.grad(swiglu_mlp_ref(*ref), [t for t in ref if t.requires_grad], dy.double())
+    y, y_ref = swiglu_mlp(*ours), swiglu_mlp_ref(*ref)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
+    grads = torch.autograd.grad(y, [t for t in ours if t.requires_grad], dy)
+    expected = torch.autograd.grad(y_ref, [t for t in ref if t.requires_grad], dy.double())
     for g, r in zip(grads, expected, strict=True):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
