@@ -63,7 +63,7 @@ def sweep_cross_entropy(quick: bool) -> None:
         default = cross_entropy_plan(vocab)
         for write_grad in (True, False):
             results = []
-            for block, warps in itertools.product((4096, 8192), (4, 8, 16, 32)):
+            for block, warps in itertools.product((2048, 4096, 8192), (4, 8, 16, 32)):
                 if block // (warps * 32) < 4 or block // (warps * 32) > 64:
                     continue
                 plan = CrossEntropyPlan(block, warps)

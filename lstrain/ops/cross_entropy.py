@@ -7,12 +7,12 @@ Target distribution p = (1 - a) * onehot(target) + a / V (a = label_smoothing), 
 
 One program per row reads the row once for the statistics (per-lane online max and
 sum-exp, plus the sum of logits for smoothing) and, when the loss is reduced (mean or
-sum), writes the gradient (q - p) * scale in a second sweep over the same row, which is
-served by L2. Backward then only has to multiply by grad_output, and skips even that
-(touching no memory) when grad_output is exactly 1, without a host sync. (For any other
-grad_output the gradient is rounded twice, before and after the rescale: within the
-tolerance rule, but up to 1.5 ulp instead of 0.5.) With
-``reduction="none"`` the gradient depends on a per-row grad_output, so backward
+sum), writes the gradient (q - p) * scale in a second sweep over the same row, backwards
+from its end so that it finds in L2 what the first sweep read last. Backward then only
+has to multiply by grad_output, and skips even that (touching no memory) when grad_output
+is exactly 1, without a host sync. (For any other grad_output the gradient is rounded
+twice, before and after the rescale: within the tolerance rule, but up to 1.5 ulp instead
+of 0.5.) With ``reduction="none"`` the gradient depends on a per-row grad_output, so backward
 recomputes it from the logits and the saved row max and sum of exponentials.
 
 Rows whose target is ``ignore_index`` give zero loss and zero gradient. A target outside
@@ -260,14 +260,16 @@ class CrossEntropyPlan:
 def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
     """Launch settings for rows of ``vocab`` logits (a pure function).
 
-    Chunks of up to 4096 logits, 4 per thread (8 beyond V = 65536): the fastest plans of
-    the H200 sweep (``python -m benchmarks.sweep --op cross_entropy``) at V = 50257 and
-    128256, where 8192-wide chunks with 16 warps were 1.4-1.7x slower. The loop is
-    arithmetic-bound (per-lane online max / sum-exp), so more threads per row pay.
+    At most 8 warps, so that many rows are in flight per SM and one's reductions hide
+    behind another's loads: chunks of 4096 logits (16 per thread) up to V = 65536, of 2048
+    (8 per thread) beyond, where registers run short. On the H200 (bf16, smoothing, loss
+    and gradient): 1.47 ms at 16384 x 50257 against 1.59 with 32 warps and 1.88 with
+    8192-wide chunks; 1.69 ms at 8192 x 128256 against 1.98 with 4096-wide chunks and
+    2.44-2.60 with 16-32 warps.
     """
-    block = min(4096, triton.next_power_of_2(vocab))
-    per_thread = 4 if vocab <= 65536 else 8
-    return CrossEntropyPlan(block, num_warps=max(1, min(32, block // (32 * per_thread))))
+    block = min(4096 if vocab <= 65536 else 2048, triton.next_power_of_2(vocab))
+    per_thread = 16 if vocab <= 65536 else 8
+    return CrossEntropyPlan(block, num_warps=max(1, min(8, block // (32 * per_thread))))
 
 
 def cross_entropy_fwd(
