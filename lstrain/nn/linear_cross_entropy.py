@@ -19,7 +19,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     Args:
         ignore_index, reduction, label_smoothing, z_loss: as in
             :func:`lstrain.ops.cross_entropy`.
-        chunk_bytes: memory for one chunk's logits (default 256 MiB).
+        chunk_bytes: memory for one chunk's logits (default 512 MiB).
     """
 
     def __init__(

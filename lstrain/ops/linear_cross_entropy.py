@@ -34,7 +34,10 @@ __all__ = [
     "linear_cross_entropy_ref",
 ]
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk's logits
+# One chunk's logits. Every chunk reads and writes the fp32 grad_weight accumulator
+# (4 bytes x V x D each way), so fewer, larger chunks cost less: on the H200 at 8192 x 4096
+# -> 128256 bf16, 4 chunks of 2048 tokens took 42.69 ms where 8 of 1024 took 45.60.
+DEFAULT_CHUNK_BYTES = 512 * 2**20
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -218,7 +221,7 @@ def linear_cross_entropy(
         bias: optional ``[V]``, same dtype.
         label_smoothing, ignore_index, reduction, z_loss, check_targets: as in
             :func:`lstrain.ops.cross_entropy`.
-        chunk_bytes: memory for one chunk's logits (default 256 MiB).
+        chunk_bytes: memory for one chunk's logits (default 512 MiB).
 
     Returns:
         The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).

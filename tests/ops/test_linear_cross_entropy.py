@@ -4,7 +4,7 @@ from hypothesis import example, given
 
 import lstrain
 from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
-from lstrain.ops.linear_cross_entropy import chunk_rows
+from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, chunk_rows
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import linear_cross_entropy_cases
@@ -41,13 +41,13 @@ def test_matches_torch(case):
 
 
 def test_chunk_rows_fit_the_budget():
-    assert chunk_rows(8192, 128256, 2) == 1024  # 256 MiB of bf16 logits, a multiple of 64
+    assert chunk_rows(8192, 128256, 2) == 2048  # 512 MiB of bf16 logits, a multiple of 64
     assert chunk_rows(100, 128256, 2) == 100
     assert chunk_rows(8192, 128256, 2, chunk_bytes=1) == 1
     assert chunk_rows(10, 7, 4, chunk_bytes=4 * 7 * 3) == 3
     for tokens, vocab in ((1, 1), (8192, 50257), (5, 262144)):
         rows = chunk_rows(tokens, vocab, 2)
-        assert 1 <= rows <= tokens and (rows == 1 or rows * vocab * 2 <= 256 * 2**20)
+        assert 1 <= rows <= tokens and (rows == 1 or rows * vocab * 2 <= DEFAULT_CHUNK_BYTES)
 
 
 def test_same_as_logits_then_cross_entropy(device):
