@@ -82,9 +82,10 @@ def test_scale_gradient_skips_work_for_one(device):
     torch.testing.assert_close(grad, before * -0.5)
 
 
-def test_inplace_backward_writes_into_the_logits(device):
-    base = torch.randn(5, 64, device=device)
-    target = torch.randint(0, 64, (5,), device=device)
+@pytest.mark.parametrize("vocab", [64, 2 * 4096 + 5])  # a tail alone; whole chunks swept backwards, then a tail
+def test_inplace_backward_writes_into_the_logits(device, vocab):
+    base = torch.randn(5, vocab, device=device)
+    target = torch.randint(0, vocab, (5,), device=device)
     reference = torch.nn.functional.cross_entropy(base, target)
     leaf = base.clone().requires_grad_()
     (expected,) = torch.autograd.grad(cross_entropy(leaf, target), leaf)
