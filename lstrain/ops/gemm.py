@@ -161,9 +161,10 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     """Launch settings from the problem shape (a pure function).
 
     Large problems get the 128 x 256 x 64 tiles, 8 warps and a 4-deep pipeline that suit
-    Hopper's tensor cores for 16-bit inputs (on the H200 at 16384 x 4096 x 11008: 723
-    TFLOP/s, against 630 with 3 stages); fp32 inputs take half-deep K tiles; small problems
-    smaller tiles, so that the grid still fills the GPU.
+    Hopper's tensor cores for 16-bit inputs (on the H200 at 16384 x 4096 x 11008, side by
+    side in one process: 723 TFLOP/s, against 630 with 3 stages; BENCHMARKS.md has a later
+    run where it gave 627); fp32 inputs take half-deep K tiles; small problems smaller
+    tiles, so that the grid still fills the GPU.
     """
     block_k = 64 if element_size <= 2 else 32
     if m >= 2048 and n >= 2048:
