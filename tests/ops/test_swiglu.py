@@ -47,17 +47,18 @@ class _HFStyleMLP(torch.nn.Module):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def test_module_loads_and_saves_separate_weights(device):
-    theirs = _HFStyleMLP(16, 40).to(device)
-    ours = lstrain.nn.SwiGLUMLP(16, 40, device=device)
+@pytest.mark.parametrize("intermediate", [40, 300])  # a partial pair block only; whole blocks and a partial one
+def test_module_loads_and_saves_separate_weights(device, intermediate):
+    theirs = _HFStyleMLP(16, intermediate).to(device)
+    ours = lstrain.nn.SwiGLUMLP(16, intermediate, device=device)
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(2, 5, 16, device=device, requires_grad=True)
     y = ours(x)
     torch.testing.assert_close(y, theirs(x))
     y.sum().backward()
-    assert x.grad.shape == x.shape and ours.gate_up_weight.grad.shape == (80, 16)
-    again = _HFStyleMLP(16, 40).to(device)
+    assert x.grad.shape == x.shape and ours.gate_up_weight.grad.shape == (2 * intermediate, 16)
+    again = _HFStyleMLP(16, intermediate).to(device)
     again.load_state_dict(ours.state_dict())
     torch.testing.assert_close(again(x), theirs(x))
 
