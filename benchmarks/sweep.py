@@ -3,8 +3,9 @@
     python -m benchmarks.sweep [--quick] [--op cross_entropy --op dropout ...]
 
 Evidence for the constants of the plan functions (``layer_norm_fwd_plan``,
-``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``), and where
-the time of the dropout ops goes: each kernel alone, one launch
+``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``,
+``gemm_plan``), and where the time of the dropout ops and of the SwiGLU MLP's GEMMs goes
+(beside cuBLAS doing the same products): each kernel alone, one launch
 captured in a CUDA graph and replayed under ``do_bench`` (L2 flushed, median), at the
 shapes of the targets. Prints the best plans first for each kernel and shape.
 """
@@ -28,6 +29,7 @@ from lstrain.ops.bias_dropout_residual import bias_dropout_residual_fwd, dropout
 from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_fwd, cross_entropy_plan, scale_gradient_
 from lstrain.ops.dropout import ElementwisePlan, elementwise_plan, new_seed
 from lstrain.ops.embedding import embedding_bwd, embedding_fwd
+from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan
 from lstrain.ops.layer_norm import (
     LayerNormPlan,
     layer_norm_bwd,
@@ -35,6 +37,7 @@ from lstrain.ops.layer_norm import (
     layer_norm_fwd,
     layer_norm_fwd_plan,
 )
+from lstrain.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
 def graph_us(fn) -> float:
@@ -114,13 +117,56 @@ def time_dropout_kernels() -> None:
                   f"{graph_us(bwd):8.2f} us")  # fmt: skip
 
 
+def sweep_gemm(quick: bool) -> None:
+    m, k, n = 16384, 4096, 11008
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    flops = 2 * m * k * n
+    results = []
+    for (block_m, block_n), warps, stages in itertools.product(((128, 256), (256, 128)), (8,), (3, 4)):
+        plan = GemmPlan(block_m, block_n, 64, 8, num_warps=warps, num_stages=stages)
+        if quick and plan.num_stages != gemm_plan(m, n, k, 2).num_stages:
+            continue
+        run = functools.partial(gemm_fwd, a, b, None, None, 1.0, 0.0, -1, torch.bfloat16, plan)
+        results.append((graph_us(run), plan))
+    report(f"gemm {m}x{k}x{n} bf16", results, gemm_plan(m, n, k, 2))
+    cublas = graph_us(lambda: a @ b)
+    print(f"   cuBLAS (torch.matmul): {cublas:8.2f} us = {flops / cublas / 1e6:.1f} TFLOP/s")
+
+
+def time_swiglu_kernels() -> None:
+    tokens, dim, hidden = 16384, 4096, 11008
+    x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    w_gate_up = torch.randn(dim, 2 * hidden, device="cuda", dtype=torch.bfloat16) * dim**-0.5
+    w_down = torch.randn(hidden, dim, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
+    dy = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    _, h = swiglu_fwd(x, w_gate_up)
+    dh = torch.empty_like(h)
+    gate_up_flops, down_flops = 2 * tokens * dim * 2 * hidden, 2 * tokens * dim * hidden
+    timings = (
+        ("forward GEMM + SwiGLU epilogue", gate_up_flops, lambda: swiglu_fwd(x, w_gate_up)),
+        ("cuBLAS x @ w_gate_up", gate_up_flops, lambda: x @ w_gate_up),
+        ("backward GEMM + epilogue (with a)", down_flops, lambda: swiglu_bwd(dy, w_down, h, dh, False)),
+        ("the same + the two dW_down GEMMs", 2 * down_flops, lambda: swiglu_bwd(dy, w_down, h, dh, True)),
+        ("cuBLAS dy @ w_down^T", down_flops, lambda: dy @ w_down.t()),
+    )
+    print(f"== SwiGLU MLP {tokens}x{dim}x{hidden} bf16 kernels")
+    for name, flops, fn in timings:
+        us = graph_us(fn)
+        print(f"   {name:<36} {us:9.1f} us = {flops / us / 1e6:6.1f} TFLOP/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="only vary the pipelining depth of the default plans")
-    choices = ("layer_norm", "attention_softmax", "cross_entropy", "dropout")
+    choices = ("layer_norm", "attention_softmax", "cross_entropy", "dropout", "gemm", "swiglu_mlp")
     parser.add_argument("--op", action="append", choices=choices)
     args = parser.parse_args()
     ops = args.op or choices
+    if "gemm" in ops:
+        sweep_gemm(args.quick)
+    if "swiglu_mlp" in ops:
+        time_swiglu_kernels()
     if "cross_entropy" in ops:
         sweep_cross_entropy(args.quick)
     if "dropout" in ops:
