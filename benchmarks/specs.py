@@ -14,6 +14,7 @@ import torch
 
 from lstrain.ops import (
     attention_softmax,
+    bias_act_dropout,
     bias_dropout_residual,
     cross_entropy,
     embedding,
@@ -209,6 +210,30 @@ def bias_dropout_residual_cases(dtype: torch.dtype = torch.bfloat16) -> list[Ben
     return [case]
 
 
+def bias_act_dropout_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    rows, cols = 16384, 4096
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        bias = torch.randn(cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        return {"x": x, "bias": bias}
+
+    def eager(x, bias):
+        return torch.nn.functional.dropout(torch.nn.functional.gelu(x + bias), 0.1)
+
+    impls = {
+        "lstrain": lambda x, bias: bias_act_dropout(x, bias, activation="gelu", dropout=0.1),
+        "eager": eager,
+        "torch.compile": eager,
+    }
+    element = torch.finfo(dtype).bits // 8
+    # forward reads x, writes y; backward reads dy and x (for gelu'), writes dx
+    min_bytes = 5 * rows * cols * element
+    label = f"{rows} x {cols}, gelu, dropout 0.1"
+    return [BenchCase("bias_act_dropout", label, make, ["x", "bias"], impls, min_bytes, same_outputs=False)]
+
+
 def embedding_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     vocab, dim, batch, seq = 50257, 1024, 8, 2048
     scale = dim**0.5
@@ -286,6 +311,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
+    "bias_act_dropout": bias_act_dropout_cases,
     "cross_entropy": cross_entropy_cases,
     "embedding": embedding_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
