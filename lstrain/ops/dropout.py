@@ -72,7 +72,7 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
     mask = torch.empty(shape, dtype=torch.int8, device=seed.device)
     if mask.numel():
         cols = shape[-1]
-        block_cols = max(4, min(1024, triton.next_power_of_2(cols)))
+        block_cols = elementwise_plan(cols).block_cols
         grid = (mask.numel() // cols, triton.cdiv(cols, block_cols))
         _dropout_mask_kernel[grid](seed, mask, cols, p, BLOCK_COLS=block_cols)
     return mask.bool()
@@ -93,7 +93,7 @@ class ElementwisePlan:
 @functools.cache
 def elementwise_plan(cols: int) -> ElementwisePlan:
     """Launch settings for rows of ``cols`` elements (a pure function): 4096-element
-    tiles, 4 warps (16 values per thread), at most 1024 columns wide."""
+    tiles, 4 warps (32 values per thread), at most 1024 columns wide."""
     block_cols = max(4, min(1024, triton.next_power_of_2(cols)))  # dropout_keep's minimum
     return ElementwisePlan(max(1, 4096 // block_cols), block_cols, num_warps=4)
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import dropout_keep, new_seed
+from lstrain.ops.dropout import dropout_keep, elementwise_plan, new_seed
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref"]
 
@@ -168,12 +168,6 @@ def _segment_sum_kernel(
     tl.store(table_ptr + row * dim + col, acc.to(table_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _tile(dim: int) -> tuple[int, int]:
-    """(tokens, columns) per program: 4096-element tiles, 32 values per thread at 4 warps."""
-    block_dim = max(4, min(1024, triton.next_power_of_2(dim)))  # dropout_keep's minimum
-    return max(1, 4096 // block_dim), block_dim
-
-
 def embedding_fwd(
     ids: torch.Tensor,
     weight: torch.Tensor,
@@ -191,7 +185,8 @@ def embedding_fwd(
     tokens = flat.numel()
     if tokens == 0 or dim == 0:
         return y
-    block_tokens, block_dim = _tile(dim)
+    plan = elementwise_plan(dim)
+    block_tokens, block_dim = plan.block_rows, plan.block_cols
     flat_positions = None if positions is None else positions.reshape(-1).contiguous()
     _embedding_fwd_kernel[(triton.cdiv(tokens, block_tokens), triton.cdiv(dim, block_dim))](
         flat, flat_positions, weight, pos_weight, y, seed,
@@ -202,7 +197,7 @@ def embedding_fwd(
         DROPOUT=seed is not None,
         BLOCK_TOKENS=block_tokens,
         BLOCK_DIM=block_dim,
-        num_warps=4,
+        num_warps=plan.num_warps,
     )  # fmt: skip
     return y
 
@@ -210,7 +205,8 @@ def embedding_fwd(
 def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, deterministic):
     """Gradient of a [rows, D] table looked up at ``ids`` (None: at token index % seq_len)."""
     tokens, dim = dy.shape
-    block_tokens, block_dim = _tile(dim)
+    plan = elementwise_plan(dim)
+    block_tokens, block_dim = plan.block_rows, plan.block_cols
     if deterministic:
         table = torch.empty((rows, dim), dtype=dtype, device=dy.device)
         if ids is None:
@@ -222,7 +218,8 @@ def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, 
         if rows and dim:
             _segment_sum_kernel[(rows, triton.cdiv(dim, block_dim))](
                 dy, order, starts, table, seed, dim, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
-                POSITIONS_FROM_INDEX=ids is None, DROPOUT=seed is not None, BLOCK_DIM=block_dim, num_warps=4,
+                POSITIONS_FROM_INDEX=ids is None, DROPOUT=seed is not None, BLOCK_DIM=block_dim,
+                num_warps=plan.num_warps,
             )  # fmt: skip
         return table
     table = torch.zeros((rows, dim), dtype=torch.float32, device=dy.device)
@@ -233,7 +230,7 @@ def _table_gradient(dy, ids, rows, dtype, seq_len, padding_idx, scale, seed, p, 
             DROPOUT=seed is not None,
             BLOCK_TOKENS=block_tokens,
             BLOCK_DIM=block_dim,
-            num_warps=4,
+            num_warps=plan.num_warps,
         )  # fmt: skip
     return table.to(dtype)
 
