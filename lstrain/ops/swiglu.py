@@ -25,6 +25,8 @@ columns start at a run-time offset, which would cost every other tile its aligne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -246,7 +248,8 @@ def _swiglu_bwd_kernel(
     )  # fmt: skip
 
 
-def _launches(f: int, chunks: int = 1) -> list[tuple[int, int, bool]]:
+@functools.cache
+def _launches(f: int, chunks: int = 1) -> tuple[tuple[int, int, bool], ...]:
     """``(first_unit, units, tail)`` of each launch over F units: the whole pair blocks,
     in ``chunks`` runs of about equal length, then the partial block if there is one."""
     whole = f - f % PAIR_BLOCK
@@ -254,7 +257,7 @@ def _launches(f: int, chunks: int = 1) -> list[tuple[int, int, bool]]:
     launches = [(first, min(per_chunk, whole - first), False) for first in range(0, whole, max(per_chunk, 1))]
     if whole < f:
         launches.append((whole, f - whole, True))
-    return launches
+    return tuple(launches)
 
 
 def _fwd_block_f(plan) -> int:
