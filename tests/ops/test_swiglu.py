@@ -3,6 +3,7 @@ import torch
 from hypothesis import example, given
 
 import lstrain
+from lstrain._backend import record_backends
 from lstrain.ops import swiglu_mlp, swiglu_mlp_ref
 from lstrain.ops.swiglu import pack_gate_up, unpack_gate_up
 from lstrain.testing import assert_all_passed
@@ -138,9 +139,12 @@ def test_gradients_of_any_subset_of_inputs(device, wanted):
     ours = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     ref = [t.double().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     dy = torch.randn(9, 8, device=device, generator=gen)
-    y, y_ref = swiglu_mlp(*ours), swiglu_mlp_ref(*ref)
+    with record_backends() as ran:
+        y = swiglu_mlp(*ours)
+        grads = torch.autograd.grad(y, [t for t in ours if t.requires_grad], dy)
+    assert ran == [("swiglu_mlp", EXPECTED_BACKEND)]
+    y_ref = swiglu_mlp_ref(*ref)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
-    grads = torch.autograd.grad(y, [t for t in ours if t.requires_grad], dy)
     expected = torch.autograd.grad(y_ref, [t for t in ref if t.requires_grad], dy.double())
     for g, r in zip(grads, expected, strict=True):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
