@@ -8,7 +8,8 @@ For every case and implementation it measures, on one GPU, in one run:
     (L2 flushed, median) -- kernels only, no Python;
   * time per ordinary call (``y = f(...); y.backward(dy)``, grads reset to None) under do_bench;
   * host microseconds per ordinary call (perf_counter over 200 calls, no sync inside);
-  * peak memory above the inputs during one call;
+  * peak memory during one call above the inputs (+MiB), and above the inputs and the
+    gradients the call leaves behind (+MiB transient: what ANCHORS.md reports);
   * GB/s on the minimal-bytes model and % of the device copy bandwidth measured here
     (from the per-call time where an implementation cannot be captured), and TFLOP/s
     for GEMM-bound cases.
@@ -62,7 +63,9 @@ def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float
     return ms
 
 
-def call_ms_host_us_peak(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> tuple[float, float, float]:
+def call_ms_host_us_peak(
+    fn, inputs: dict, grad_names: list[str], dy: torch.Tensor
+) -> tuple[float, float, float, float]:
     tensors = _grad_tensors(inputs, grad_names)
 
     def call():
@@ -87,7 +90,8 @@ def call_ms_host_us_peak(fn, inputs: dict, grad_names: list[str], dy: torch.Tens
     call()
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return ms, host_us, peak_mib
+    grads_mib = sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None) / 2**20
+    return ms, host_us, peak_mib, peak_mib - grads_mib
 
 
 def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[dict]:
@@ -114,7 +118,7 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
             gpu = None
         else:
             gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
-        call, host, peak = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
+        call, host, peak, transient = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
         gbs = case.min_bytes / ((gpu or call) * 1e-3) / 1e9
         rows.append(
             {
@@ -125,6 +129,7 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
                 "call_ms": call,
                 "host_us": host,
                 "peak_mib": peak,
+                "transient_mib": transient,
                 "gbs": gbs,
                 "pct_copy_bw": 100 * gbs / bandwidth,
                 "min_bytes": case.min_bytes,
@@ -137,7 +142,8 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
         tflops = f"  {r['tflops']:6.1f} TFLOP/s" if r["tflops"] else ""
         print(
             f"{case.op:<18} {case.label:<36} {name:<14} gpu {gpu_text}  call {call:8.4f} ms  host {host:7.1f} us  "
-            f"{gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB{tflops}",
+            f"{gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB "
+            f"(transient +{transient:8.1f}){tflops}",
             flush=True,
         )
     return rows
@@ -163,6 +169,7 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
                 "call_ms": ms,
                 "host_us": float("nan"),
                 "peak_mib": 0.0,
+                "transient_mib": 0.0,
                 "gbs": gbs,
                 "pct_copy_bw": 100 * gbs / bandwidth,
                 "min_bytes": case.min_bytes,
@@ -179,9 +186,9 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB | TFLOP/s "
-        "| target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB "
+        "| +MiB transient | TFLOP/s | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = ""
@@ -192,7 +199,8 @@ def markdown(rows: list[dict]) -> str:
         tflops = f"{r['tflops']:.0f}" if r["tflops"] else ""
         lines.append(
             f"| {r['op']} | {r['shape']} | {r['impl']} | {gpu} | {r['call_ms']:.4f} | {r['host_us']:.0f} | "
-            f"{r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | {tflops} | {target} |"
+            f"{r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | {r['transient_mib']:.1f} | {tflops} "
+            f"| {target} |"
         )
     return "\n".join(lines)
 

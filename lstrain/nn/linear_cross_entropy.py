@@ -20,6 +20,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         ignore_index, reduction, label_smoothing, z_loss: as in
             :func:`lstrain.ops.cross_entropy`.
         chunk_bytes: memory for one chunk's logits (default 512 MiB).
+        fp32_weight_grad: sum the chunks' weight gradients in fp32 (see
+            :func:`lstrain.ops.linear_cross_entropy`).
     """
 
     def __init__(
@@ -30,6 +32,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         *,
         z_loss: float = 0.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        fp32_weight_grad: bool = False,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
@@ -37,6 +40,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.chunk_bytes = chunk_bytes
+        self.fp32_weight_grad = fp32_weight_grad
 
     def forward(
         self,
@@ -55,11 +59,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             reduction=self.reduction,
             z_loss=self.z_loss,
             chunk_bytes=self.chunk_bytes,
+            fp32_weight_grad=self.fp32_weight_grad,
         )
         return loss.view(target.shape) if self.reduction == "none" else loss
 
     def extra_repr(self) -> str:
         return (
             f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, chunk_bytes={self.chunk_bytes}"
+            f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, chunk_bytes={self.chunk_bytes}, "
+            f"fp32_weight_grad={self.fp32_weight_grad}"
         )

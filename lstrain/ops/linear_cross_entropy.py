@@ -4,9 +4,12 @@ Tokens are processed in chunks sized from a memory budget. For each chunk the lo
 ``hidden_c @ weight.T + bias`` are computed (cuBLAS, fp32 accumulation), the fused
 cross-entropy kernel turns them *in place* into the gradient of the loss with respect to
 them, and that gradient is folded at once into grad_hidden (one GEMM per chunk, rounded
-once) and grad_weight (accumulated over chunks in fp32: on CUDA each chunk's GEMM adds its fp32
-product straight into the fp32 sum, so nothing is rounded to 16 bits until the end; a
-16-bit running sum would be rounded once per chunk). So the gradients are ready
+once) and grad_weight. The weight gradient sums over chunks: by default each chunk's
+product, accumulated in fp32 inside its GEMM, is added to the running gradient in the
+weight's dtype (one rounding per chunk; a single chunk is rounded once), so the only
+memory beyond the inputs and their gradients is one chunk of logits. With
+``fp32_weight_grad=True`` the chunks sum into an fp32 [V, D] buffer instead (4 bytes per
+weight more) and the weight gradient is rounded once. So the gradients are ready
 when forward ends; backward multiplies them by grad_output, touching no memory when it is
 exactly 1 (no host sync). With ``reduction="none"`` the per-row grad_output is needed, so
 backward recomputes each chunk's logits instead.
@@ -34,9 +37,9 @@ __all__ = [
     "linear_cross_entropy_ref",
 ]
 
-# One chunk's logits. Every chunk reads and writes the fp32 grad_weight accumulator
-# (4 bytes x V x D each way), so fewer, larger chunks cost less: on the H200 at 8192 x 4096
-# -> 128256 bf16, 4 chunks of 2048 tokens took 42.69 ms where 8 of 1024 took 45.60.
+# One chunk's logits. Every chunk after the first reads and writes the weight gradient
+# (V x D), so fewer, larger chunks cost less: on the H200 at 8192 x 4096 -> 128256 bf16
+# with an fp32 sum, 4 chunks of 2048 tokens took 42.69 ms where 8 of 1024 took 45.60.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -53,9 +56,9 @@ def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DE
 
 
 def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, for an fp32 ``acc`` and operands of any float dtype."""
+    """acc += a @ b with the product accumulated in fp32 and added with one rounding."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b)  # cuBLAS adds the fp32 product to C before rounding it
         return
     if acc.is_cuda:
         try:
@@ -67,21 +70,32 @@ def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 class _ChunkGradients:
-    """Gradients of hidden (written chunk by chunk), weight and bias (summed over chunks in fp32)."""
+    """Gradients of hidden (written chunk by chunk), weight (summed over chunks, in fp32 when
+    asked) and bias (summed in fp32: V floats)."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool]) -> None:
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool], fp32_weight_grad: bool
+    ) -> None:
         vocab = weight.shape[0]
+        weight_dtype = torch.float32 if fp32_weight_grad else weight.dtype
         self.hidden = torch.empty_like(hidden) if needs[0] else None
-        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        self.weight = torch.empty(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         self.bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if needs[2] else None
+        self.first = True
 
     def add(self, rows: slice, grad_logits: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
         if self.hidden is not None:
             self.hidden[rows] = grad_logits @ weight
         if self.weight is not None:
-            _accumulate_product(self.weight, grad_logits.t(), hidden_c)
+            if self.first and self.weight.dtype == grad_logits.dtype:
+                torch.mm(grad_logits.t(), hidden_c, out=self.weight)  # no zero fill, no read
+            else:
+                if self.first:
+                    self.weight.zero_()
+                _accumulate_product(self.weight, grad_logits.t(), hidden_c)
         if self.bias is not None:
             self.bias += grad_logits.sum(dim=0, dtype=torch.float32)
+        self.first = False
 
     def weight_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         return None if self.weight is None else self.weight.to(dtype)
@@ -103,7 +117,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd for :func:`linear_cross_entropy`; gradients are computed in forward for mean/sum."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction, chunk_bytes):
+    def forward(
+        ctx, hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction, chunk_bytes, fp32_sum
+    ):
         options = (label_smoothing, ignore_index, z_loss)
         tokens, vocab = hidden.shape[0], weight.shape[0]
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
@@ -111,7 +127,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         # only a mean needs the count: one reduction kernel fewer per call otherwise
         valid_rows = (target != ignore_index).sum() if reduction == "mean" else None
-        grads = _ChunkGradients(hidden, weight, needs) if grad_scale is not None else None
+        grads = _ChunkGradients(hidden, weight, needs, fp32_sum) if grad_scale is not None else None
         for rows in _chunks(tokens, vocab, hidden, chunk_bytes):
             logits = _chunk_logits(hidden[rows], weight, bias)
             # In eager mode the kernel overwrites the chunk's logits with their gradient.
@@ -125,6 +141,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.reduction = reduction
         ctx.options = options
         ctx.chunk_bytes = chunk_bytes
+        ctx.fp32_sum = fp32_sum
         ctx.backward_done = False
         ctx.bias_dtype = None if bias is None else bias.dtype
         if grads is not None:
@@ -139,7 +156,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.reduction == "none":
-            return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None)
+            return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None, None)
         if ctx.backward_done:
             raise RuntimeError(
                 "linear_cross_entropy: backward ran twice through the same graph; the gradients were computed in "
@@ -152,14 +169,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 rescale_gradient_(grad, grad_loss)
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
 
 
 def _recompute_gradients(ctx, grad_loss):
     """Backward of ``reduction="none"``: each chunk's logits again, scaled per row."""
     hidden, weight, target, bias = ctx.saved_tensors
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-    grads = _ChunkGradients(hidden, weight, needs)
+    grads = _ChunkGradients(hidden, weight, needs, ctx.fp32_sum)
     for rows in _chunks(hidden.shape[0], weight.shape[0], hidden, ctx.chunk_bytes):
         logits = _chunk_logits(hidden[rows], weight, bias)
         _, stats, _ = loss_and_gradient(logits, target[rows], ctx.options, None, None, None)
@@ -207,6 +224,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fp32_weight_grad: bool = False,
     check_targets: bool | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` without materialising the logits.
@@ -222,6 +240,9 @@ def linear_cross_entropy(
         label_smoothing, ignore_index, reduction, z_loss, check_targets: as in
             :func:`lstrain.ops.cross_entropy`.
         chunk_bytes: memory for one chunk's logits (default 512 MiB).
+        fp32_weight_grad: sum the chunks' weight gradients in an fp32 [V, D] buffer, so
+            that the weight gradient is rounded once rather than once per chunk, at the
+            cost of 4 x V x D bytes (2 GB for a 128256 x 4096 head) while the loss runs.
 
     Returns:
         The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).
@@ -242,8 +263,9 @@ def linear_cross_entropy(
             reduction=reduction, z_loss=z_loss,
         )  # fmt: skip
     loss = LinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, float(label_smoothing), int(ignore_index), float(z_loss), reduction, chunk_bytes
-    )
+        hidden, weight, target, bias, float(label_smoothing), int(ignore_index), float(z_loss), reduction,
+        chunk_bytes, bool(fp32_weight_grad),
+    )  # fmt: skip
     return loss.to(hidden.dtype)
 
 

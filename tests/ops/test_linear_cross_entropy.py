@@ -1,11 +1,12 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import example, given
 
 import lstrain
 from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
 from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, chunk_rows
-from lstrain.testing import assert_all_passed
+from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import linear_cross_entropy_cases
 from tests.conftest import DEVICE, EXPECTED_BACKEND
@@ -63,6 +64,34 @@ def test_same_as_logits_then_cross_entropy(device):
     torch.testing.assert_close(loss, expected)
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_gradient_summed_in_either_precision(device, dtype):
+    torch.manual_seed(0)
+    hidden = torch.randn(24, 16, device=device, dtype=dtype)
+    weight = torch.randn(40, 16, device=device, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 40, (24,), device=device)
+    chunk = 5 * 40 * hidden.element_size()  # 5 chunks: every one after the first adds to the sum
+    grads = [
+        torch.autograd.grad(
+            linear_cross_entropy(hidden, weight, target, reduction="sum", chunk_bytes=chunk, fp32_weight_grad=fp32),
+            weight,
+        )[0]
+        for fp32 in (False, True)
+    ]
+    torch_grads = []
+    for w in (weight.double(), weight):  # fp64 reference, then torch in the test's precision
+        loss = F.cross_entropy(hidden.to(w.dtype) @ w.t(), target, reduction="sum")
+        torch_grads.append(torch.autograd.grad(loss, weight)[0])
+    comparisons = [
+        compare_to_reference(f"grad weight, fp32 sum {fp32}", grad, *torch_grads)
+        for grad, fp32 in zip(grads, (False, True), strict=True)
+    ]
+    assert_all_passed(comparisons)
+    assert all(grad.dtype == dtype for grad in grads)
+    if dtype == torch.float32:
+        torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_backward_scales_by_grad_output_and_refuses_a_second_pass(device):
@@ -123,7 +152,7 @@ def test_module(device):
             2, 5
         ),
     )
-    assert "chunk_bytes=208" in repr(criterion)
+    assert "chunk_bytes=208" in repr(criterion) and "fp32_weight_grad=False" in repr(criterion)
 
 
 def test_torch_compile_fullgraph(device):
