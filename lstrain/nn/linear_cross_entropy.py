@@ -20,8 +20,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         ignore_index, reduction, label_smoothing, z_loss: as in
             :func:`lstrain.ops.cross_entropy`.
         chunk_bytes: memory for one chunk's logits (default 512 MiB).
-        fp32_weight_grad: sum the chunks' weight gradients in fp32 (see
-            :func:`lstrain.ops.linear_cross_entropy`).
+        fp32_weight_grad: how the chunks' weight gradients are summed (see
+            :func:`lstrain.ops.linear_cross_entropy`; None chooses by memory).
     """
 
     def __init__(
@@ -32,7 +32,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         *,
         z_loss: float = 0.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        fp32_weight_grad: bool = False,
+        fp32_weight_grad: bool | None = None,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index

@@ -4,12 +4,15 @@ Tokens are processed in chunks sized from a memory budget. For each chunk the lo
 ``hidden_c @ weight.T + bias`` are computed (cuBLAS, fp32 accumulation), the fused
 cross-entropy kernel turns them *in place* into the gradient of the loss with respect to
 them, and that gradient is folded at once into grad_hidden (one GEMM per chunk, rounded
-once) and grad_weight. The weight gradient sums over chunks: by default each chunk's
-product, accumulated in fp32 inside its GEMM, is added to the running gradient in the
-weight's dtype (one rounding per chunk; a single chunk is rounded once), so the only
-memory beyond the inputs and their gradients is one chunk of logits. With
-``fp32_weight_grad=True`` the chunks sum into an fp32 [V, D] buffer instead (4 bytes per
-weight more) and the weight gradient is rounded once. So the gradients are ready
+once) and grad_weight. The weight gradient sums over chunks. When an fp32 [V, D] buffer
+would need more memory than one chunk of logits (a large vocabulary: 2 GB for a
+128256 x 4096 head) and there are at most ``MAX_16BIT_SUMS`` chunks, each chunk's product,
+accumulated in fp32 inside its GEMM, is added to the running gradient in the weight's
+dtype, one rounding per chunk, so that the only memory beyond the inputs and their
+gradients is one chunk of logits. Otherwise the chunks sum in the fp32 buffer, rounded
+once at the end: a 16-bit sum's error grows with the number of chunks, past PyTorch's own
+(one rounding of one GEMM) by more than the tolerance rule allows. ``fp32_weight_grad``
+forces either way. So the gradients are ready
 when forward ends; backward multiplies them by grad_output, touching no memory when it is
 exactly 1 (no host sync). With ``reduction="none"`` the per-row grad_output is needed, so
 backward recomputes each chunk's logits instead.
@@ -31,6 +34,7 @@ from lstrain.ops.cross_entropy import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MAX_16BIT_SUMS",
     "LinearCrossEntropyFunction",
     "chunk_rows",
     "linear_cross_entropy",
@@ -41,6 +45,8 @@ __all__ = [
 # (V x D), so fewer, larger chunks cost less: on the H200 at 8192 x 4096 -> 128256 bf16
 # with an fp32 sum, 4 chunks of 2048 tokens took 42.69 ms where 8 of 1024 took 45.60.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
+# Chunks whose weight gradients may be summed in a 16-bit dtype (one rounding each).
+MAX_16BIT_SUMS = 4
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -138,6 +144,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss[rows] = chunk_loss
             if grads is not None:
                 grads.add(rows, grad_logits, hidden[rows], weight)
+            del logits, grad_out, grad_logits  # before the next chunk's logits are allocated
         ctx.reduction = reduction
         ctx.options = options
         ctx.chunk_bytes = chunk_bytes
@@ -182,8 +189,18 @@ def _recompute_gradients(ctx, grad_loss):
         _, stats, _ = loss_and_gradient(logits, target[rows], ctx.options, None, None, None)
         grad_logits = recompute_gradient(grad_loss[rows], logits, target[rows], stats, ctx.options)
         grads.add(rows, grad_logits, hidden[rows], weight)
+        del logits, grad_logits
     grad_bias = None if grads.bias is None else grads.bias.to(ctx.bias_dtype)
     return grads.hidden, grads.weight_grad(weight.dtype), None, grad_bias
+
+
+def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch.Tensor, chunk_bytes: int) -> bool:
+    if fp32_weight_grad is not None:
+        return bool(fp32_weight_grad)
+    if weight.dtype == torch.float32:
+        return False  # the gradient itself is the fp32 sum
+    chunks = -(-hidden.shape[0] // chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), chunk_bytes))
+    return 4 * weight.numel() <= chunk_bytes or chunks > MAX_16BIT_SUMS
 
 
 def _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss) -> None:
@@ -224,7 +241,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    fp32_weight_grad: bool = False,
+    fp32_weight_grad: bool | None = None,
     check_targets: bool | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` without materialising the logits.
@@ -240,9 +257,12 @@ def linear_cross_entropy(
         label_smoothing, ignore_index, reduction, z_loss, check_targets: as in
             :func:`lstrain.ops.cross_entropy`.
         chunk_bytes: memory for one chunk's logits (default 512 MiB).
-        fp32_weight_grad: sum the chunks' weight gradients in an fp32 [V, D] buffer, so
-            that the weight gradient is rounded once rather than once per chunk, at the
-            cost of 4 x V x D bytes (2 GB for a 128256 x 4096 head) while the loss runs.
+        fp32_weight_grad: True to sum the chunks' weight gradients in an fp32 [V, D]
+            buffer, so that the weight gradient is rounded once rather than once per
+            chunk, at the cost of 4 x V x D bytes while the loss runs; False to add each
+            chunk's (fp32-accumulated) product to the gradient in the weight's dtype;
+            None (default): the fp32 buffer when it is no larger than ``chunk_bytes`` or
+            there are more than ``MAX_16BIT_SUMS`` chunks.
 
     Returns:
         The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).
@@ -264,7 +284,7 @@ def linear_cross_entropy(
         )  # fmt: skip
     loss = LinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, float(label_smoothing), int(ignore_index), float(z_loss), reduction,
-        chunk_bytes, bool(fp32_weight_grad),
+        chunk_bytes, _fp32_sum(fp32_weight_grad, hidden, weight, chunk_bytes),
     )  # fmt: skip
     return loss.to(hidden.dtype)
 

@@ -5,7 +5,7 @@ from hypothesis import example, given
 
 import lstrain
 from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
-from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, chunk_rows
+from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, _fp32_sum, chunk_rows
 from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import linear_cross_entropy_cases
@@ -72,7 +72,7 @@ def test_weight_gradient_summed_in_either_precision(device, dtype):
     hidden = torch.randn(24, 16, device=device, dtype=dtype)
     weight = torch.randn(40, 16, device=device, dtype=dtype, requires_grad=True)
     target = torch.randint(0, 40, (24,), device=device)
-    chunk = 5 * 40 * hidden.element_size()  # 5 chunks: every one after the first adds to the sum
+    chunk = 6 * 40 * hidden.element_size()  # 4 chunks: every one after the first adds to the sum
     grads = [
         torch.autograd.grad(
             linear_cross_entropy(hidden, weight, target, reduction="sum", chunk_bytes=chunk, fp32_weight_grad=fp32),
@@ -92,6 +92,16 @@ def test_weight_gradient_summed_in_either_precision(device, dtype):
     assert all(grad.dtype == dtype for grad in grads)
     if dtype == torch.float32:
         torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_weight_gradient_sum_chosen_by_memory_and_chunk_count():
+    hidden = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")
+    head = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
+    assert not _fp32_sum(None, hidden, head, DEFAULT_CHUNK_BYTES)  # 4 chunks; an fp32 sum would be 2 GB
+    assert _fp32_sum(None, hidden, head, DEFAULT_CHUNK_BYTES // 2)  # 8 chunks
+    assert _fp32_sum(None, hidden, head[:1000], DEFAULT_CHUNK_BYTES)  # 16 MB of fp32
+    assert _fp32_sum(True, hidden, head, DEFAULT_CHUNK_BYTES) and not _fp32_sum(False, hidden, head[:10], 1 << 30)
+    assert not _fp32_sum(None, hidden.float(), head.float(), 1)
 
 
 def test_backward_scales_by_grad_output_and_refuses_a_second_pass(device):
@@ -152,7 +162,7 @@ def test_module(device):
             2, 5
         ),
     )
-    assert "chunk_bytes=208" in repr(criterion) and "fp32_weight_grad=False" in repr(criterion)
+    assert "chunk_bytes=208" in repr(criterion) and "fp32_weight_grad=None" in repr(criterion)
 
 
 def test_torch_compile_fullgraph(device):
