@@ -9,15 +9,16 @@ the mainloop keeps one accumulator for each and the epilogue needs no shuffle.
 (:func:`pack_gate_up` builds it from the usual separate weights; ``lstrain.nn.SwiGLUMLP``
 keeps the familiar ``gate_proj`` / ``up_proj`` / ``down_proj`` state_dict keys.)
 
-Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue writes ``h`` (the only activation
-saved for backward) and ``a = silu(gate) * up`` (half the width); then ``y = a @ w_down``
-(cuBLAS).
+Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue writes ``h`` and
+``a = silu(gate) * up`` (half the width), the two activations saved for backward; then
+``y = a @ w_down`` (cuBLAS).
 
 Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved gate and up
 tiles and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` over that
-same tile of h; dA itself never reaches memory. The same epilogue recomputes a for
-dW_down = a^T dy, half of the units at a time. Then the usual GEMMs (cuBLAS) for dx and
-dW_gate_up. Memory beyond the inputs and gradients: h, and half of a while backward runs.
+same tile of h; dA itself never reaches memory. Then the usual GEMMs (cuBLAS) for
+dW_down = a^T dy, dx and dW_gate_up. Memory beyond the inputs and their gradients: h and
+a, 3F values per token (recomputing a in backward instead would save F of them at the
+cost of a slower backward epilogue: see :func:`swiglu_bwd`).
 
 A last, partial pair block (F not a multiple of 128) is launched on its own: its up
 columns start at a run-time offset, which would cost every other tile its aligned loads.
@@ -33,7 +34,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from lstrain import _backend
-from lstrain.ops.gemm import gemm_plan, tile_ids
+from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
 
 __all__ = [
     "PAIR_BLOCK",
@@ -55,6 +56,12 @@ def _gate_column(first_unit, unit_in_launch, PAIR: tl.constexpr):
     multiple of PAIR): every pair block before it takes 2 * PAIR columns."""
     block = unit_in_launch // PAIR
     return 2 * first_unit + block * (2 * PAIR) + (unit_in_launch - block * PAIR)
+
+
+@triton.jit
+def _halves(t, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The two [BLOCK_M, BLOCK_F] column halves of a [BLOCK_M, 2 * BLOCK_F] tile."""
+    return tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_F]), (0, 2, 1)))
 
 
 @triton.jit
@@ -132,21 +139,34 @@ def _swiglu_fwd_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
     unit_ok = unit_in_launch < units_here
-    gate_cols = _gate_column(first_unit, pid_n * BLOCK_F, PAIR) + tl.arange(0, BLOCK_F)
-    if TAIL:
-        up_offset = units_here
-    else:
-        up_offset = PAIR
-    acc_gate, acc_up = _mainloop_pairs(
-        x_ptr, w_ptr, rows, gate_cols, up_offset, unit_ok, unit_ok, M, K, stride_xm, stride_xk, stride_wk, stride_wn,
-        IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
-    )  # fmt: skip
     mask = (rows < M)[:, None] & unit_ok[None, :]
-    h_gate = acc_gate.to(h_ptr.dtype.element_ty)
-    h_up = acc_up.to(h_ptr.dtype.element_ty)
-    h_ptrs = h_ptr + rows[:, None] * (2 * F) + gate_cols[None, :]
-    tl.store(h_ptrs, h_gate, mask=mask)
-    tl.store(h_ptrs + up_offset, h_up, mask=mask)
+    gate_col = _gate_column(first_unit, pid_n * BLOCK_F, PAIR)
+    if not TAIL and BLOCK_F == PAIR:
+        # A tile is one whole pair block, 2 * PAIR contiguous columns: the plain GEMM
+        # mainloop (one accumulator, one B tile per step), h stored as it comes out, and
+        # the gate and up halves split apart only for a.
+        cols = gate_col + tl.arange(0, 2 * BLOCK_F)
+        acc = mainloop(
+            x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
+            IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
+        )  # fmt: skip
+        h_tile = acc.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h_tile, mask=(rows < M)[:, None])
+        h_gate, h_up = _halves(h_tile, BLOCK_M, BLOCK_F)
+    else:
+        # The last, partial pair block (its up columns start at a run-time offset) or
+        # tiles narrower than a pair block: gate and up columns as two column blocks.
+        gate_cols = gate_col + tl.arange(0, BLOCK_F)
+        up_offset = units_here if TAIL else PAIR
+        acc_gate, acc_up = _mainloop_pairs(
+            x_ptr, w_ptr, rows, gate_cols, up_offset, unit_ok, unit_ok, M, K, stride_xm, stride_xk, stride_wk,
+            stride_wn, IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
+        )  # fmt: skip
+        h_gate = acc_gate.to(h_ptr.dtype.element_ty)
+        h_up = acc_up.to(h_ptr.dtype.element_ty)
+        h_ptrs = h_ptr + rows[:, None] * (2 * F) + gate_cols[None, :]
+        tl.store(h_ptrs, h_gate, mask=mask)
+        tl.store(h_ptrs + up_offset, h_up, mask=mask)
     # SwiGLU on the rounded h that backward will see: backward recomputes a bit for bit.
     gate = h_gate.to(tl.float32)
     a = gate * tl.sigmoid(gate) * h_up.to(tl.float32)
@@ -159,7 +179,6 @@ def _swiglu_grad_half(
     da,
     h_ptr,
     dh_ptr,
-    a_ptr,
     rows,
     unit_start,
     M,
@@ -167,14 +186,11 @@ def _swiglu_grad_half(
     first_unit,
     units_here,
     up_offset,
-    WRITE_A: tl.constexpr,
     PAIR: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
     """The epilogue for dA of BLOCK_F units from ``unit_start`` (counted in the launch):
-    dgate and dup over their gate and up tiles of h, and a = silu(gate) * up into the
-    [M, units_here] buffer."""
+    dgate and dup over their gate and up tiles of h."""
     unit_in_launch = unit_start + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (unit_in_launch < units_here)[None, :]
     gate_cols = _gate_column(first_unit, unit_start, PAIR) + tl.arange(0, BLOCK_F)
@@ -182,13 +198,9 @@ def _swiglu_grad_half(
     gate = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + offsets + up_offset, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
-    silu = gate * sig
     d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
     tl.store(dh_ptr + offsets, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptr + offsets + up_offset, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
-    if WRITE_A:
-        a_offsets = rows[:, None] * units_here + unit_in_launch[None, :]
-        tl.store(a_ptr + a_offsets, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + offsets + up_offset, (da * gate * sig).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -197,7 +209,6 @@ def _swiglu_bwd_kernel(
     w_down_ptr,
     h_ptr,
     dh_ptr,
-    a_ptr,
     M,
     F,
     K,
@@ -208,7 +219,6 @@ def _swiglu_bwd_kernel(
     stride_wk,
     stride_wn,
     TAIL: tl.constexpr,
-    WRITE_A: tl.constexpr,
     IEEE: tl.constexpr,
     PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -217,8 +227,7 @@ def _swiglu_bwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
-    epilogue into dgate and dup; with WRITE_A also a = silu(gate) * up of those units, into
-    a [M, units_here] buffer. dh may be h itself: each tile is read before it is written.
+    epilogue into dgate and dup. dh may be h itself: each tile is read before it is written.
 
     A program owns 2 * BLOCK_F units: the mainloop runs at twice the width the epilogue
     can hold in registers (it needs gate and up beside dA), so the epilogue takes one half
@@ -226,35 +235,26 @@ def _swiglu_bwd_kernel(
     pid_m, pid_n = tile_ids(M, units_here, BLOCK_M, 2 * BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tile_start = pid_n * (2 * BLOCK_F)
-    units = first_unit + tile_start + tl.arange(0, BLOCK_F)
-    first_ok = tile_start + tl.arange(0, BLOCK_F) < units_here
-    second_ok = tile_start + BLOCK_F + tl.arange(0, BLOCK_F) < units_here
-    # The two halves are BLOCK_F units apart in w_down^T, like two column blocks of a pair.
-    da0, da1 = _mainloop_pairs(
-        dy_ptr, w_down_ptr, rows, units, BLOCK_F, first_ok, second_ok, M, K,
-        stride_dym, stride_dyk, stride_wk, stride_wn, IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
+    # dA's columns are units, contiguous in w_down^T: one accumulator over both halves.
+    units = first_unit + tile_start + tl.arange(0, 2 * BLOCK_F)
+    da = mainloop(
+        dy_ptr, w_down_ptr, rows, units, M, first_unit + units_here, K, stride_dym, stride_dyk, stride_wk, stride_wn,
+        IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
     )  # fmt: skip
-    if TAIL:
-        up_offset = units_here
-    else:
-        up_offset = PAIR
+    da0, da1 = _halves(da, BLOCK_M, BLOCK_F)
+    up_offset = units_here if TAIL else PAIR
+    _swiglu_grad_half(da0, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F)
     _swiglu_grad_half(
-        da0, h_ptr, dh_ptr, a_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset,
-        WRITE_A, PAIR, BLOCK_M, BLOCK_F,
-    )  # fmt: skip
-    _swiglu_grad_half(
-        da1, h_ptr, dh_ptr, a_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset,
-        WRITE_A, PAIR, BLOCK_M, BLOCK_F,
-    )  # fmt: skip
+        da1, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
+    )
 
 
 @functools.cache
-def _launches(f: int, chunks: int = 1) -> tuple[tuple[int, int, bool], ...]:
+def _launches(f: int) -> tuple[tuple[int, int, bool], ...]:
     """``(first_unit, units, tail)`` of each launch over F units: the whole pair blocks,
-    in ``chunks`` runs of about equal length, then the partial block if there is one."""
+    then the partial block if there is one."""
     whole = f - f % PAIR_BLOCK
-    per_chunk = triton.cdiv(triton.cdiv(whole, PAIR_BLOCK), chunks) * PAIR_BLOCK
-    launches = [(first, min(per_chunk, whole - first), False) for first in range(0, whole, max(per_chunk, 1))]
+    launches = [(0, whole, False)] if whole else []
     if whole < f:
         launches.append((whole, f - whole, True))
     return tuple(launches)
@@ -288,44 +288,31 @@ def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor
     return a, h
 
 
-def swiglu_bwd(
-    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, want_dw_down: bool
-) -> torch.Tensor | None:
+def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: torch.Tensor) -> None:
     """Write dh [M, 2F] (pair layout) from dy [M, D], w_down [F, D] and the saved h; ``dh``
-    may be ``h`` itself. Returns dW_down = a^T dy when ``want_dw_down``, else None.
+    may be ``h`` itself.
 
-    a = silu(gate) * up is recomputed by the same kernel, one half of the units at a time,
-    so that at most [M, F/2] of it is alive: with dh written over h, backward then needs no
-    more than that beyond the gradients themselves.
+    A program computes dA for 2 * block_f units (the GEMM's full tile width) and runs the
+    epilogue on one half at a time, which is what its registers hold beside the
+    accumulator. On the H200 at 16384 x 4096 -> 11008: 3.16 ms with 256-wide dA tiles
+    against 3.59 with 128-wide ones; recomputing a here as well (to save it from forward)
+    took the whole backward's Triton + dW_down part from 5.36 to 5.73 ms.
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
-    dw_down = torch.empty_like(w_down) if want_dw_down else None
     if m == 0 or f == 0:
-        if dw_down is not None:
-            dw_down.zero_()
-        return dw_down
+        return
     plan = gemm_plan(m, f, d, dy2d.element_size())
-    # Two halves of block_f units per program: dA tiles of 2 * block_f columns, half the
-    # GEMM's tile width: on the H200 (16384 x 4096 -> 11008), 128-wide dA tiles took
-    # 4.26 ms, 256-wide ones 6.55 (the epilogue of a 128-unit half spills).
-    block_f = min(PAIR_BLOCK // 2, max(16, plan.block_n // 4))
-    launches = _launches(f, chunks=2)
-    most = max(units for _, units, _ in launches)
-    a_buffer = torch.empty(m * most, dtype=h.dtype, device=h.device) if want_dw_down else None
-    for first, units, tail in launches:
-        a_here = a_buffer[: m * units].view(m, units) if want_dw_down else None
+    block_f = min(PAIR_BLOCK, max(16, plan.block_n // 2))
+    for first, units, tail in _launches(f):
         grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f),)
         _swiglu_bwd_kernel[grid](
-            dy2d, w_down, h, dh, a_here, m, f, d, first, units,
+            dy2d, w_down, h, dh, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
-            TAIL=tail, WRITE_A=want_dw_down, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
+            TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
-        if want_dw_down:
-            torch.matmul(a_here.t(), dy2d, out=dw_down[first : first + units])
-    return dw_down
 
 
 @torch.library.custom_op("lstrain::swiglu_fwd", mutates_args=())
@@ -340,27 +327,27 @@ def _(x2d, w_gate_up):
 
 
 @torch.library.custom_op("lstrain::swiglu_bwd", mutates_args=())
-def _bwd_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _bwd_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     dh = torch.empty_like(h)
-    return dh, swiglu_bwd(dy2d, w_down, h, dh, want_dw_down=True)
+    swiglu_bwd(dy2d, w_down, h, dh)
+    return dh
 
 
 @_bwd_op.register_fake
 def _(dy2d, w_down, h):
-    return torch.empty_like(h), torch.empty_like(w_down)
+    return torch.empty_like(h)
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """Autograd for :func:`swiglu_mlp`. Saves x, the weights and h; a is recomputed in
-    backward, and (outside torch.compile) dh is written over h, so the graph can be
-    backpropagated once."""
+    """Autograd for :func:`swiglu_mlp`. Saves x, the weights, h and a; outside
+    torch.compile dh is written over h, so the graph can be backpropagated once."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down):
         x2d = x.reshape(-1, x.shape[-1])
         a, h = (_fwd_op if torch.compiler.is_compiling() else swiglu_fwd)(x2d, w_gate_up)
         y = a @ w_down
-        ctx.save_for_backward(x2d, w_gate_up, w_down, h)
+        ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
         ctx.x_shape = x.shape
         ctx.h_overwritten = False
         return y.view(*x.shape[:-1], w_down.shape[1])
@@ -373,16 +360,20 @@ class SwiGLUFunction(torch.autograd.Function):
                 "swiglu_mlp: backward ran a second time through the same graph; the first overwrote "
                 "the saved activations with their gradient (retain_graph=True is not supported)"
             )
-        x2d, w_gate_up, w_down, h = ctx.saved_tensors
+        x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
+        dw_down = a.t() @ dy2d if ctx.needs_input_grad[2] else None
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, dw_down
         if torch.compiler.is_compiling():
-            dh, dw_down = _bwd_op(dy2d, w_down, h)
+            dh = _bwd_op(dy2d, w_down, h)
         else:
             ctx.h_overwritten = True
-            dh, dw_down = h, swiglu_bwd(dy2d, w_down, h, h, want_dw_down=ctx.needs_input_grad[2])
+            dh = h
+            swiglu_bwd(dy2d, w_down, h, h)
         dx = (dh @ w_gate_up.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dw_gate_up = x2d.t() @ dh if ctx.needs_input_grad[1] else None
-        return dx, dw_gate_up, dw_down if ctx.needs_input_grad[2] else None
+        return dx, dw_gate_up, dw_down
 
 
 def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import swiglu_mlp, swiglu_mlp_ref
 from lstrain.ops.swiglu import pack_gate_up, unpack_gate_up
-from lstrain.testing import assert_all_passed
+from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import swiglu_cases
 from tests.conftest import DEVICE, EXPECTED_BACKEND
@@ -148,3 +148,25 @@ def test_gradients_of_any_subset_of_inputs(device, wanted):
     expected = torch.autograd.grad(y_ref, [t for t in ref if t.requires_grad], dy.double())
     for g, r in zip(grads, expected, strict=True):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+
+
+def test_large_tiles_whole_pair_blocks_and_a_partial_one(device):
+    """2048 tokens and F = 1068: the forward takes the large-problem plan, whose tiles are
+    whole pair blocks (one accumulator, split into gate and up for a), plus the partial
+    block's own launch."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, w, wd = (torch.randn(s, device=device, generator=gen) for s in ((2048, 8), (8, 2 * 1068), (1068, 8)))
+    x.requires_grad_()
+    dy = torch.randn(2048, 8, device=device, generator=gen)
+    y = swiglu_mlp(x, w, wd)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    results = []
+    for dtype in (torch.float64, torch.float32):  # the reference, then torch in fp32
+        x_ref = x.detach().to(dtype).requires_grad_()
+        y_ref = swiglu_mlp_ref(x_ref, w.to(dtype), wd.to(dtype))
+        results.append((y_ref, *torch.autograd.grad(y_ref, x_ref, dy.to(dtype))))
+    comparisons = [
+        compare_to_reference(name, ours, precise, torch_fp32)
+        for name, ours, precise, torch_fp32 in zip(("y", "grad x"), (y, dx), *results, strict=True)
+    ]
+    assert_all_passed(comparisons)
