@@ -3,8 +3,8 @@ import torch
 from hypothesis import example, given
 
 import lstrain
-from lstrain.ops import cross_entropy
-from lstrain.ops.cross_entropy import cross_entropy_plan, scale_gradient_
+from lstrain.ops import cross_entropy, cross_entropy_ref
+from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_plan, scale_gradient_
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import cross_entropy_cases
@@ -181,11 +181,30 @@ def test_bad_input_names_the_argument(device, kwargs, match):
 
 
 def test_launch_plan():
-    assert cross_entropy_plan(50257).block == 4096
+    assert cross_entropy_plan(50257) == CrossEntropyPlan(2048, 8)
     assert cross_entropy_plan(100).block == 128
     for vocab in (1, 2, 1000, 32000, 262144):
         plan = cross_entropy_plan(vocab)
-        assert 1 <= plan.num_warps <= 32 and plan.block <= 4096
+        assert 1 <= plan.num_warps <= 8 and plan.block <= 2048
+
+
+@pytest.mark.parametrize("offset", [0, 3])  # rows start 16-byte aligned or not at all
+def test_odd_rows_longer_than_a_chunk(device, offset):
+    """V = 4999 (odd: each row starts at a different alignment, so the loose head and tail
+    vary) over whole chunks, a partial chunk and loose ends; with ``offset`` the logits do
+    not start on a 16-byte boundary at all."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    storage = torch.randn(5 * 4999 + offset, device=device, generator=gen).to(torch.float16)
+    logits = storage[offset:].view(5, 4999).requires_grad_()
+    target = torch.tensor([0, 4998, 2048, -100, 17], device=device)
+    for reduction in ("mean", "none"):
+        loss = cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction)
+        expected = cross_entropy_ref(logits.double(), target, label_smoothing=0.1, reduction=reduction)
+        torch.testing.assert_close(loss.double(), expected, rtol=2e-3, atol=2e-3)
+        dy = torch.rand(loss.shape, device=device, generator=gen, dtype=loss.dtype)
+        (grad,) = torch.autograd.grad(loss, logits, dy)
+        (grad_ref,) = torch.autograd.grad(expected, logits, dy.double())
+        torch.testing.assert_close(grad.double(), grad_ref.double(), rtol=2e-3, atol=1e-5)
 
 
 def test_module_is_a_drop_in(device):
