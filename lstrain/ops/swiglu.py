@@ -59,6 +59,15 @@ def _gate_column(first_unit, unit_in_launch, PAIR: tl.constexpr):
 
 
 @triton.jit
+def _aligned_run(first, SIZE: tl.constexpr):
+    """``first + arange(SIZE)``, declared contiguous and starting at a multiple of SIZE
+    (true of every column run here: tile starts are multiples of the tile width, pair
+    blocks of PAIR), which Triton cannot prove through the pair-layout arithmetic; without
+    it the epilogue's loads and stores of h were 2 bytes wide instead of 16."""
+    return tl.max_contiguous(tl.multiple_of(first + tl.arange(0, SIZE), SIZE), SIZE)
+
+
+@triton.jit
 def _halves(t, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     """The two [BLOCK_M, BLOCK_F] column halves of a [BLOCK_M, 2 * BLOCK_F] tile."""
     return tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_F]), (0, 2, 1)))
@@ -145,7 +154,7 @@ def _swiglu_fwd_kernel(
         # A tile is one whole pair block, 2 * PAIR contiguous columns: the plain GEMM
         # mainloop (one accumulator, one B tile per step), h stored as it comes out, and
         # the gate and up halves split apart only for a.
-        cols = gate_col + tl.arange(0, 2 * BLOCK_F)
+        cols = _aligned_run(gate_col, 2 * BLOCK_F)
         acc = mainloop(
             x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
             IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
@@ -156,7 +165,7 @@ def _swiglu_fwd_kernel(
     else:
         # The last, partial pair block (its up columns start at a run-time offset) or
         # tiles narrower than a pair block: gate and up columns as two column blocks.
-        gate_cols = gate_col + tl.arange(0, BLOCK_F)
+        gate_cols = _aligned_run(gate_col, BLOCK_F)
         up_offset = units_here if TAIL else PAIR
         acc_gate, acc_up = _mainloop_pairs(
             x_ptr, w_ptr, rows, gate_cols, up_offset, unit_ok, unit_ok, M, K, stride_xm, stride_xk, stride_wk,
@@ -170,7 +179,7 @@ def _swiglu_fwd_kernel(
     # SwiGLU on the rounded h that backward will see: backward recomputes a bit for bit.
     gate = h_gate.to(tl.float32)
     a = gate * tl.sigmoid(gate) * h_up.to(tl.float32)
-    units = first_unit + unit_in_launch
+    units = _aligned_run(first_unit + pid_n * BLOCK_F, BLOCK_F)
     tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
@@ -193,7 +202,7 @@ def _swiglu_grad_half(
     dgate and dup over their gate and up tiles of h."""
     unit_in_launch = unit_start + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (unit_in_launch < units_here)[None, :]
-    gate_cols = _gate_column(first_unit, unit_start, PAIR) + tl.arange(0, BLOCK_F)
+    gate_cols = _aligned_run(_gate_column(first_unit, unit_start, PAIR), BLOCK_F)
     offsets = rows[:, None] * (2 * F) + gate_cols[None, :]
     gate = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + offsets + up_offset, mask=mask, other=0.0).to(tl.float32)
@@ -236,7 +245,7 @@ def _swiglu_bwd_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tile_start = pid_n * (2 * BLOCK_F)
     # dA's columns are units, contiguous in w_down^T: one accumulator over both halves.
-    units = first_unit + tile_start + tl.arange(0, 2 * BLOCK_F)
+    units = _aligned_run(first_unit + tile_start, 2 * BLOCK_F)
     da = mainloop(
         dy_ptr, w_down_ptr, rows, units, M, first_unit + units_here, K, stride_dym, stride_dyk, stride_wk, stride_wn,
         IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
