@@ -234,6 +234,7 @@ def _swiglu_bwd_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    QUARTERS: tl.constexpr,
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
     epilogue into dgate and dup. dh may be h itself: each tile is read before it is written.
@@ -252,10 +253,26 @@ def _swiglu_bwd_kernel(
     )  # fmt: skip
     da0, da1 = _halves(da, BLOCK_M, BLOCK_F)
     up_offset = units_here if TAIL else PAIR
-    _swiglu_grad_half(da0, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F)
-    _swiglu_grad_half(
-        da1, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
-    )
+    if QUARTERS:
+        QUARTER: tl.constexpr = BLOCK_F // 2
+        da00, da01 = _halves(da0, BLOCK_M, QUARTER)
+        _swiglu_grad_half(da00, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, QUARTER)
+        _swiglu_grad_half(
+            da01, h_ptr, dh_ptr, rows, tile_start + QUARTER, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
+        )
+        da10, da11 = _halves(da1, BLOCK_M, QUARTER)
+        _swiglu_grad_half(
+            da10, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
+        )
+        _swiglu_grad_half(
+            da11, h_ptr, dh_ptr, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit, units_here, up_offset, PAIR,
+            QUARTER,
+        )  # fmt: skip
+    else:
+        _swiglu_grad_half(da0, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F)
+        _swiglu_grad_half(
+            da1, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
+        )
 
 
 @functools.cache
@@ -302,10 +319,12 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     may be ``h`` itself.
 
     A program computes dA for 2 * block_f units (the GEMM's full tile width) and runs the
-    epilogue on one half at a time, which is what its registers hold beside the
-    accumulator. On the H200 at 16384 x 4096 -> 11008: 3.16 ms with 256-wide dA tiles
-    against 3.59 with 128-wide ones; recomputing a here as well (to save it from forward)
-    took the whole backward's Triton + dW_down part from 5.36 to 5.73 ms.
+    epilogue on a quarter of them at a time (a half for narrow tiles), which is what its
+    registers hold beside the accumulator without spilling. On the H200 at 16384 x 4096
+    -> 11008: 256-wide dA tiles took 3.16 ms against 3.59 with 128-wide ones; quarters
+    2.93-3.06 ms against halves 3.03-3.21 (same run, two rounds; halves spill 372 bytes);
+    recomputing a here as well (to save it from forward) took the Triton + dW_down part of
+    backward from 5.36 to 5.73 ms.
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
@@ -318,7 +337,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
-            TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
+            TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
