@@ -176,7 +176,7 @@ def _swiglu_fwd_kernel(
         h_ptrs = h_ptr + rows[:, None] * (2 * F) + gate_cols[None, :]
         tl.store(h_ptrs, h_gate, mask=mask)
         tl.store(h_ptrs + up_offset, h_up, mask=mask)
-    # SwiGLU on the rounded h that backward will see: backward recomputes a bit for bit.
+    # SwiGLU on the rounded h, the values whose derivative backward takes.
     gate = h_gate.to(tl.float32)
     a = gate * tl.sigmoid(gate) * h_up.to(tl.float32)
     units = _aligned_run(first_unit + pid_n * BLOCK_F, BLOCK_F)
