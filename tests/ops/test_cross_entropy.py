@@ -4,7 +4,7 @@ from hypothesis import example, given
 
 import lstrain
 from lstrain.ops import cross_entropy, cross_entropy_ref
-from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_plan, scale_gradient_
+from lstrain.ops.cross_entropy import CrossEntropyPlan, _launch_layout, cross_entropy_plan, scale_gradient_
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import cross_entropy_cases
@@ -186,6 +186,20 @@ def test_launch_plan():
     for vocab in (1, 2, 1000, 32000, 262144):
         plan = cross_entropy_plan(vocab)
         assert 1 <= plan.num_warps <= 8 and plan.block <= 2048
+
+
+def test_alignment_hint_only_where_it_holds():
+    plan = cross_entropy_plan(4999)
+    storage = torch.zeros(8 * 5000, dtype=torch.bfloat16)
+    logits = storage[: 4 * 4999].view(4, 4999)
+    assert _launch_layout(logits, None, plan) == {"ALIGNED": True, "LANES": 256, "RUN": 8}
+    assert _launch_layout(logits.float(), None, plan)["RUN"] == 4
+    assert not _launch_layout(storage[3 : 3 + 4 * 4999].view(4, 4999), None, plan)["ALIGNED"]
+    # a gradient whose rows are shifted against the logits' by other than whole runs
+    assert _launch_layout(logits, torch.empty_like(logits), plan)["ALIGNED"]
+    assert not _launch_layout(storage.view(8, 5000)[:4, :4999], torch.empty(4, 4999, dtype=torch.bfloat16), plan)[
+        "ALIGNED"
+    ]
 
 
 @pytest.mark.parametrize("offset", [0, 3])  # rows start 16-byte aligned or not at all
