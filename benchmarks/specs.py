@@ -182,15 +182,20 @@ def linear_cross_entropy_cases(dtype: torch.dtype = torch.bfloat16) -> list[Benc
     return [case]
 
 
+def _normal_inputs(dtype: torch.dtype, **shapes: tuple[int, ...]) -> dict:
+    """Standard-normal CUDA tensors that require grad, one per name, from one seeded generator."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return {
+        name: torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        for name, shape in shapes.items()
+    }
+
+
 def bias_dropout_residual_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     rows, cols = 16384, 4096
 
     def make():
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        bias = torch.randn(cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        residual = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        return {"x": x, "bias": bias, "residual": residual}
+        return _normal_inputs(dtype, x=(rows, cols), bias=(cols,), residual=(rows, cols))
 
     def eager(x, bias, residual):
         return torch.nn.functional.dropout(x + bias, 0.1) + residual
@@ -214,10 +219,7 @@ def bias_act_dropout_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCas
     rows, cols = 16384, 4096
 
     def make():
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        bias = torch.randn(cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        return {"x": x, "bias": bias}
+        return _normal_inputs(dtype, x=(rows, cols), bias=(cols,))
 
     def eager(x, bias):
         return torch.nn.functional.dropout(torch.nn.functional.gelu(x + bias), 0.1)

@@ -21,6 +21,7 @@ backward recomputes each chunk's logits instead.
 from __future__ import annotations
 
 import torch
+import triton
 
 from lstrain import _backend
 from lstrain.ops.cross_entropy import (
@@ -87,21 +88,20 @@ class _ChunkGradients:
         self.hidden = torch.empty_like(hidden) if needs[0] else None
         self.weight = torch.empty(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         self.bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if needs[2] else None
-        self.first = True
 
     def add(self, rows: slice, grad_logits: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
         if self.hidden is not None:
             self.hidden[rows] = grad_logits @ weight
         if self.weight is not None:
-            if self.first and self.weight.dtype == grad_logits.dtype:
+            first = rows.start == 0
+            if first and self.weight.dtype == grad_logits.dtype:
                 torch.mm(grad_logits.t(), hidden_c, out=self.weight)  # no zero fill, no read
             else:
-                if self.first:
+                if first:
                     self.weight.zero_()
                 _accumulate_product(self.weight, grad_logits.t(), hidden_c)
         if self.bias is not None:
             self.bias += grad_logits.sum(dim=0, dtype=torch.float32)
-        self.first = False
 
     def weight_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         return None if self.weight is None else self.weight.to(dtype)
@@ -199,7 +199,8 @@ def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch
         return bool(fp32_weight_grad)
     if weight.dtype == torch.float32:
         return False  # the gradient itself is the fp32 sum
-    chunks = -(-hidden.shape[0] // chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), chunk_bytes))
+    tokens = hidden.shape[0]
+    chunks = triton.cdiv(tokens, chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes))
     return 4 * weight.numel() <= chunk_bytes or chunks > MAX_16BIT_SUMS
 
 

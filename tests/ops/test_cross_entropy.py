@@ -3,6 +3,7 @@ import torch
 from hypothesis import example, given
 
 import lstrain
+from lstrain._backend import record_backends
 from lstrain.ops import cross_entropy, cross_entropy_ref
 from lstrain.ops.cross_entropy import CrossEntropyPlan, _launch_layout, cross_entropy_plan, scale_gradient_
 from lstrain.testing import assert_all_passed
@@ -212,7 +213,9 @@ def test_odd_rows_longer_than_a_chunk(device, offset):
     logits = storage[offset:].view(5, 4999).requires_grad_()
     target = torch.tensor([0, 4998, 2048, -100, 17], device=device)
     for reduction in ("mean", "none"):
-        loss = cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction)
+        with record_backends() as ran:
+            loss = cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction)
+        assert ran == [("cross_entropy", EXPECTED_BACKEND)]
         expected = cross_entropy_ref(logits.double(), target, label_smoothing=0.1, reduction=reduction)
         torch.testing.assert_close(loss.double(), expected, rtol=2e-3, atol=2e-3)
         dy = torch.rand(loss.shape, device=device, generator=gen, dtype=loss.dtype)

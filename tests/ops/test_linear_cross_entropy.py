@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from hypothesis import example, given
 
 import lstrain
+from lstrain._backend import record_backends
 from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
 from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, _fp32_sum, chunk_rows
 from lstrain.testing import assert_all_passed, compare_to_reference
@@ -73,13 +74,15 @@ def test_weight_gradient_summed_in_either_precision(device, dtype):
     weight = torch.randn(40, 16, device=device, dtype=dtype, requires_grad=True)
     target = torch.randint(0, 40, (24,), device=device)
     chunk = 6 * 40 * hidden.element_size()  # 4 chunks: every one after the first adds to the sum
-    grads = [
-        torch.autograd.grad(
-            linear_cross_entropy(hidden, weight, target, reduction="sum", chunk_bytes=chunk, fp32_weight_grad=fp32),
-            weight,
-        )[0]
-        for fp32 in (False, True)
-    ]
+    with record_backends() as ran:
+        grads = [
+            torch.autograd.grad(
+                linear_cross_entropy(hidden, weight, target, reduction="sum", chunk_bytes=chunk, fp32_weight_grad=fp32),
+                weight,
+            )[0]
+            for fp32 in (False, True)
+        ]
+    assert ran == [("linear_cross_entropy", EXPECTED_BACKEND)] * 2
     torch_grads = []
     for w in (weight.double(), weight):  # fp64 reference, then torch in the test's precision
         loss = F.cross_entropy(hidden.to(w.dtype) @ w.t(), target, reduction="sum")

@@ -158,8 +158,10 @@ def test_large_tiles_whole_pair_blocks_and_a_partial_one(device):
     x, w, wd = (torch.randn(s, device=device, generator=gen) for s in ((2048, 8), (8, 2 * 1068), (1068, 8)))
     x.requires_grad_()
     dy = torch.randn(2048, 8, device=device, generator=gen)
-    y = swiglu_mlp(x, w, wd)
-    (dx,) = torch.autograd.grad(y, x, dy)
+    with record_backends() as ran:
+        y = swiglu_mlp(x, w, wd)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    assert ran == [("swiglu_mlp", EXPECTED_BACKEND)]
     results = []
     for dtype in (torch.float64, torch.float32):  # the reference, then torch in fp32
         x_ref = x.detach().to(dtype).requires_grad_()
