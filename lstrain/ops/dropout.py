@@ -31,21 +31,21 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def dropout_keep(seed_ptr, rows, first_col, cols, p, BLOCK_COLS: tl.constexpr):
     """Keep mask [len(rows), BLOCK_COLS] for columns ``first_col + arange(BLOCK_COLS)`` of
-    ``rows`` in a [*, cols] tensor (``first_col`` a multiple of 4, BLOCK_COLS >= 4).
+    ``rows`` in a [*, cols] tensor (``first_col`` a multiple of 8, BLOCK_COLS >= 8).
 
-    One Philox call yields four 32-bit numbers, which serve four neighbouring columns: a
-    quarter of the generator work of one call per element, which is what keeps a fused
-    dropout memory-bound. Element (r, c) is kept when bits 1..31 of output ``c % 4``
-    (in the order 0, 2, 1, 3) of counter ``r * ceil(cols / 4) + c // 4`` are at least
-    p * 2**31 (p in fp32, truncated: P(keep) = 1 - p to within 2**-31).
+    One Philox call yields four 32-bit numbers, eight 16-bit uniforms, which serve eight
+    neighbouring columns: an eighth of the generator work of one call per element, which
+    is what keeps a fused dropout memory-bound. Element (r, c) is kept when its 16-bit
+    number (counter ``r * ceil(cols / 8) + c // 8``, in a fixed order of the halves) is
+    at least round(p * 2**16): P(keep) = 1 - p to within 2**-17.
     """
-    threshold = tl.minimum(tl.cast(p, tl.float32) * 2147483648.0, 2147483520.0).to(tl.int32)
-    quads = (cols + 3) // 4
-    quad = first_col // 4 + tl.arange(0, BLOCK_COLS // 4)
-    counter = rows.to(tl.int64)[:, None] * quads + quad[None, :]
+    threshold = (tl.cast(p, tl.float32) * 65536.0 + 0.5).to(tl.int32)
+    octets = (cols + 7) // 8
+    octet = first_col // 8 + tl.arange(0, BLOCK_COLS // 8)
+    counter = rows.to(tl.int64)[:, None] * octets + octet[None, :]
     r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), counter)
     bits = tl.interleave(tl.interleave(r0, r1), tl.interleave(r2, r3))
-    return (bits >> 1).to(tl.int32, bitcast=True) >= threshold
+    return tl.interleave(bits & 0xFFFF, bits >> 16).to(tl.int32, bitcast=True) >= threshold
 
 
 @triton.jit
@@ -94,7 +94,7 @@ class ElementwisePlan:
 def elementwise_plan(cols: int) -> ElementwisePlan:
     """Launch settings for rows of ``cols`` elements (a pure function): 4096-element
     tiles, 4 warps (32 values per thread), at most 1024 columns wide."""
-    block_cols = max(4, min(1024, triton.next_power_of_2(cols)))  # dropout_keep's minimum
+    block_cols = max(8, min(1024, triton.next_power_of_2(cols)))  # dropout_keep's minimum
     return ElementwisePlan(max(1, 4096 // block_cols), block_cols, num_warps=4)
 
 
