@@ -35,6 +35,7 @@ def _case(tokens=(2, 5), vocab=11, dim=16, positions="learned", dropout=0.0, pad
 @example(case=_case(dim=1025, dropout=0.1, padding=True))  # two column blocks
 @example(case=_case(positions="explicit", deterministic=True, dropout=0.5))
 @example(case=_case(tokens=(4, 20), vocab=3, positions=None, deterministic=True))  # long runs of equal ids
+@example(case=_case(tokens=(2, 150), vocab=2, dropout=0.1, deterministic=True))  # runs of several chunks
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
@@ -62,6 +63,18 @@ def test_deterministic_backward_is_bitwise_reproducible(device):
     )
     for a, b in zip(runs[0], atomic, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_frequent_tokens(deterministic):
+    """Seven ids looked up ~2300 times each: long runs of equal sorted ids (read a tile at a
+    time) and heavily contended atomics."""
+    case = _case(tokens=(16, 1024), vocab=7, dim=1000, dropout=0.1, deterministic=deterministic)
+    case["dtype"] = torch.bfloat16
+    result = CHECK.run(case, "cuda")
+    assert set(result.backends) == {"triton"}
+    assert_all_passed(result.comparisons, str(case))
 
 
 def test_deterministic_mode_follows_torch(device):
