@@ -105,12 +105,13 @@ def time_dropout_kernels() -> None:
     weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16)
     pos_weight = torch.randn(seq, dim, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens // seq, seq, dim, device="cuda", dtype=torch.bfloat16)
-    fwd = functools.partial(embedding_fwd, ids, weight, pos_weight, None, 32.0, -1, seed, 0.1)
-    print(f"== embedding V {vocab} D {dim}, {tokens} tokens, dropout 0.1: fwd {graph_us(fwd):8.2f} us")
+    fwd = functools.partial(embedding_fwd, ids, weight, pos_weight, None, 32.0, -1, seed, 0.1, True)
+    print(f"== embedding V {vocab} D {dim}, {tokens} tokens, dropout 0.1: fwd (+ counts) {graph_us(fwd):8.2f} us")
+    _, counts = fwd()
     for deterministic in (False, True):
         for weight_grad, pos_grad in ((True, False), (False, True), (True, True)):
             bwd = functools.partial(
-                embedding_bwd, dy, ids, vocab, torch.bfloat16, seq, torch.bfloat16, None, 32.0, -1, seed, 0.1,
+                embedding_bwd, dy, ids, counts, vocab, torch.bfloat16, seq, torch.bfloat16, None, 32.0, -1, seed, 0.1,
                 deterministic, weight_grad, pos_grad,
             )  # fmt: skip
             print(f"   bwd deterministic={deterministic} weight={weight_grad} positions={pos_grad}: "

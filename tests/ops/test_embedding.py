@@ -36,6 +36,7 @@ def _case(tokens=(2, 5), vocab=11, dim=16, positions="learned", dropout=0.0, pad
 @example(case=_case(positions="explicit", deterministic=True, dropout=0.5))
 @example(case=_case(tokens=(4, 20), vocab=3, positions=None, deterministic=True))  # long runs of equal ids
 @example(case=_case(tokens=(2, 150), vocab=2, dropout=0.1, deterministic=True))  # runs of several chunks
+@example(case=_case(tokens=(3, 40), vocab=70000, dim=8, deterministic=True))  # int32 sort keys
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
@@ -181,7 +182,12 @@ def test_custom_ops_pass_opcheck(device):
     weight = torch.randn(10, 8, device=device)
     pos_weight = torch.randn(5, 8, device=device)
     seed = torch.tensor([3], dtype=torch.int64, device=device)
-    torch.library.opcheck(torch.ops.lstrain.embedding_fwd, (tokens, weight, pos_weight, None, 2.0, 1, seed, 0.1))
+    for count in (False, True):
+        args = (tokens, weight, pos_weight, None, 2.0, 1, seed, 0.1, count)
+        torch.library.opcheck(torch.ops.lstrain.embedding_fwd, args)
+    _, counts = torch.ops.lstrain.embedding_fwd(tokens, weight, pos_weight, None, 2.0, 1, seed, 0.1, True)
     dy = torch.randn(2, 5, 8, device=device)
-    args = (dy, tokens, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1, True, True, True)
-    torch.library.opcheck(torch.ops.lstrain.embedding_bwd, args)
+    for deterministic in (False, True):
+        for token_counts in (counts, None):
+            args = (dy, tokens, token_counts, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1)
+            torch.library.opcheck(torch.ops.lstrain.embedding_bwd, (*args, deterministic, True, True))
