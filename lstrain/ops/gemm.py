@@ -44,10 +44,10 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of this program, int64; programs walk groups of GROUP_M
-    tile rows column by column, so that neighbours share tiles of B in L2."""
-    pid = tl.program_id(0)
+def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile ``pid``, int64; tiles are numbered over groups of
+    GROUP_M tile rows, column by column, so that neighbouring programs share tiles of B
+    in L2."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -61,7 +61,7 @@ def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.con
 @triton.jit
 def tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(rows, cols) of this program's output tile (see :func:`tile_ids`), int64."""
-    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
@@ -88,12 +88,21 @@ def mainloop(
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    compensation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
-        if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+        if IEEE:
+            # fp32 operands: full fp32 products, as torch.matmul gives by default. Each K
+            # block is summed on its own and joins the accumulator with Kahan
+            # compensation, so the rounding error grows with BLOCK_K, not K: one chain of
+            # K = 431 gave 4x cuBLAS's error (a subtraction, so that the compiler does
+            # not fold the block back into one chain).
+            block = tl.dot(a, b, input_precision="ieee") - compensation
+            total = acc + block
+            compensation = (total - acc) - block
+            acc = total
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak

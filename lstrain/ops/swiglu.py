@@ -144,7 +144,7 @@ def _swiglu_fwd_kernel(
     """One tile of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a, over
     units [first_unit, first_unit + units_here): whole pair blocks, or (TAIL) the last,
     partial one."""
-    pid_m, pid_n = tile_ids(M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
     unit_ok = unit_in_launch < units_here
@@ -242,37 +242,45 @@ def _swiglu_bwd_kernel(
     A program owns 2 * BLOCK_F units: the mainloop runs at twice the width the epilogue
     can hold in registers (it needs gate and up beside dA), so the epilogue takes one half
     at a time."""
-    pid_m, pid_n = tile_ids(M, units_here, BLOCK_M, 2 * BLOCK_F, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tile_start = pid_n * (2 * BLOCK_F)
-    # dA's columns are units, contiguous in w_down^T: one accumulator over both halves.
-    units = _aligned_run(first_unit + tile_start, 2 * BLOCK_F)
-    da = mainloop(
-        dy_ptr, w_down_ptr, rows, units, M, first_unit + units_here, K, stride_dym, stride_dyk, stride_wk, stride_wn,
-        IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
-    )  # fmt: skip
-    da0, da1 = _halves(da, BLOCK_M, BLOCK_F)
-    up_offset = units_here if TAIL else PAIR
-    if QUARTERS:
-        QUARTER: tl.constexpr = BLOCK_F // 2
-        da00, da01 = _halves(da0, BLOCK_M, QUARTER)
-        _swiglu_grad_half(da00, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, QUARTER)
-        _swiglu_grad_half(
-            da01, h_ptr, dh_ptr, rows, tile_start + QUARTER, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
-        )
-        da10, da11 = _halves(da1, BLOCK_M, QUARTER)
-        _swiglu_grad_half(
-            da10, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
-        )
-        _swiglu_grad_half(
-            da11, h_ptr, dh_ptr, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit, units_here, up_offset, PAIR,
-            QUARTER,
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, 2 * BLOCK_F)
+    # Persistent programs: flattening the tile loop into the K loop lets the next tile's
+    # loads start while this tile's epilogue runs.
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = tile_ids(tile, M, units_here, BLOCK_M, 2 * BLOCK_F, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tile_start = pid_n * (2 * BLOCK_F)
+        # dA's columns are units, contiguous in w_down^T: one accumulator over both halves.
+        units = _aligned_run(first_unit + tile_start, 2 * BLOCK_F)
+        da = mainloop(
+            dy_ptr, w_down_ptr, rows, units, M, first_unit + units_here, K,
+            stride_dym, stride_dyk, stride_wk, stride_wn, IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
         )  # fmt: skip
-    else:
-        _swiglu_grad_half(da0, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F)
-        _swiglu_grad_half(
-            da1, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
-        )
+        da0, da1 = _halves(da, BLOCK_M, BLOCK_F)
+        up_offset = units_here if TAIL else PAIR
+        if QUARTERS:
+            QUARTER: tl.constexpr = BLOCK_F // 2
+            da00, da01 = _halves(da0, BLOCK_M, QUARTER)
+            _swiglu_grad_half(
+                da00, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
+            )
+            _swiglu_grad_half(
+                da01, h_ptr, dh_ptr, rows, tile_start + QUARTER, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
+            )
+            da10, da11 = _halves(da1, BLOCK_M, QUARTER)
+            _swiglu_grad_half(
+                da10, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
+            )
+            _swiglu_grad_half(
+                da11, h_ptr, dh_ptr, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit, units_here, up_offset,
+                PAIR, QUARTER,
+            )  # fmt: skip
+        else:
+            _swiglu_grad_half(
+                da0, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
+            )
+            _swiglu_grad_half(
+                da1, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
+            )
 
 
 @functools.cache
@@ -324,7 +332,9 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     -> 11008: 256-wide dA tiles took 3.16 ms against 3.59 with 128-wide ones; quarters
     2.93-3.06 ms against halves 3.03-3.21 (same run, two rounds; halves spill 372 bytes);
     recomputing a here as well (to save it from forward) took the Triton + dW_down part of
-    backward from 5.36 to 5.73 ms.
+    backward from 5.36 to 5.73 ms. One persistent program per SM, its tile loop flattened
+    into the K loop: 2654 us against 3214 for one program per tile (same run; two per SM
+    and the unflattened loop gained nothing).
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
@@ -332,8 +342,9 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
         return
     plan = gemm_plan(m, f, d, dy2d.element_size())
     block_f = min(PAIR_BLOCK, max(16, plan.block_n // 2))
+    sms = _backend.multiprocessor_count(_backend.device_index(dy2d))
     for first, units, tail in _launches(f):
-        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f),)
+        grid = (min(sms, triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f)),)
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides

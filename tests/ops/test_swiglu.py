@@ -150,14 +150,20 @@ def test_gradients_of_any_subset_of_inputs(device, wanted):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
 
 
-def test_large_tiles_whole_pair_blocks_and_a_partial_one(device):
+@pytest.mark.parametrize(
+    "tokens, dim, units",
+    [(2048, 8, 1068), pytest.param(8192, 64, 2048, marks=pytest.mark.gpu, id="more-tiles-than-programs")],
+)
+def test_large_tiles_whole_pair_blocks_and_a_partial_one(device, tokens, dim, units):
     """2048 tokens and F = 1068: the forward takes the large-problem plan, whose tiles are
     whole pair blocks (one accumulator, split into gate and up for a), plus the partial
-    block's own launch."""
+    block's own launch. On a GPU also 8192 x 2048 units: 512 backward tiles, so each
+    persistent program runs several."""
     gen = torch.Generator(device=device).manual_seed(0)
-    x, w, wd = (torch.randn(s, device=device, generator=gen) for s in ((2048, 8), (8, 2 * 1068), (1068, 8)))
+    shapes = ((tokens, dim), (dim, 2 * units), (units, dim))
+    x, w, wd = (torch.randn(s, device=device, generator=gen) for s in shapes)
     x.requires_grad_()
-    dy = torch.randn(2048, 8, device=device, generator=gen)
+    dy = torch.randn(tokens, dim, device=device, generator=gen)
     with record_backends() as ran:
         y = swiglu_mlp(x, w, wd)
         (dx,) = torch.autograd.grad(y, x, dy)
