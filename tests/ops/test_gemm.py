@@ -34,6 +34,11 @@ def _case(mnk=(5, 7, 3), dtype=torch.float32, ta=False, tb=False, c=False, bias=
 @example(case=_case(mnk=(64, 64, 130), tb=True, c=True, beta=0.0, act="silu"))  # C ignored
 @example(case=_case(mnk=(70, 3, 9), dtype=LOW, bias=True, alpha=-2.0, act="relu"))
 @example(case=_case(mnk=(8, 40, 8), c=True, beta=1.0, act="gelu_tanh"))
+@example(case=_case(mnk=(1, 43, 431), act="gelu"))  # a long fp32 K chain (4x torch's error before)
+@example(
+    case=_case(mnk=(98, 98, 98), dtype=torch.float16, ta=True, tb=True, c=True, bias=True, beta=0.3, act="relu")
+    | {"seed": 795}
+)  # a pre-activation within rounding of relu's kink (H200)
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}

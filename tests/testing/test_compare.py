@@ -73,3 +73,16 @@ def test_check_module_compares_parameter_gradients():
         check_module(ours, torch.nn.Linear(8, 4, bias=False), x)
     with pytest.raises(ValueError, match="parameter shapes differ"):
         check_module(ours, torch.nn.LayerNorm(8), x)
+
+
+def test_relu_reference_takes_our_side_of_the_kink_only_within_rounding_of_zero():
+    from lstrain.testing.checks import _relu_reference
+
+    x = torch.tensor([1e-6, -1e-6, 0.5, -0.5])
+
+    def flipped(**kw):  # an implementation on the wrong side everywhere
+        return -kw["a"]
+
+    reference = _relu_reference(lambda **kw: kw["a"] * 1.0, flipped, {"a": x}, atol=1e-3)
+    expected = torch.tensor([0.0, -1e-6, 0.5, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(reference(a=x.double()), expected, rtol=1e-6, atol=0.0)
