@@ -1,17 +1,18 @@
 """Transformer input embedding: y = dropout(scale * E[token] + P[position]) in one kernel.
 
-Backward writes the token table's gradient touching only the rows that tokens look up
-in fp32: a count per row (integer atomics) lets rows nobody looked up be written as zeros
-and a row looked up once take its token's gradient directly. By default a row looked up
-by several tokens sums their gradients with fp32 atomic adds into its first token's slot
-(cast to the weight's dtype at the end): fast, but the summation order, hence the last
-bits, vary from run to run. The deterministic mode (on when
+Backward touches in fp32 only the table rows that tokens look up. The forward kernel,
+which reads every id anyway, also counts how many tokens look up each row (integer
+atomics: the same counts in any order); with the counts, rows nobody looked up are written
+as zeros and a row looked up once takes its token's gradient directly. By default a row
+looked up by several tokens sums their gradients with fp32 atomic adds into one of its
+tokens' slots (cast to the weight's dtype at the end): fast, but the summation order,
+hence the last bits, vary from run to run. The deterministic mode (on when
 ``torch.are_deterministic_algorithms_enabled()``, or asked for) sorts the ids instead and
-one program per run of equal ids sums them in token order: the same bits on every run.
-The position table's gradient, when positions come from the token index, is a fixed-order
-sum over the sequences in either mode (no sort, no atomics); explicit positions go the
-token table's way. The dropout mask is regenerated from its Philox seed; it is never
-stored.
+sums each run of equal ids in token order, a frequent token's run in parallel chunks
+combined in order: the same bits on every run. The position table's gradient, when
+positions come from the token index, is a fixed-order sum over the sequences in either
+mode (no sort, no atomics); explicit positions go the token table's way. The dropout mask
+is regenerated from its Philox seed; it is never stored.
 
 Tokens equal to ``padding_idx`` give all-zero output rows and no gradient. Ids or
 positions outside their tables are never read: their output rows are NaN (and, for CPU
