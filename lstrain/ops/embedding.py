@@ -171,12 +171,12 @@ def _scatter_phase(
     p = tl.cast(p, tl.float32)
     if PHASE == 0:
         alone = valid & (count == 1)
-        first = shared & (owner == token)
-        g = _tile_gradient(dy_ptr, seed_ptr, token, col, (alone | first)[:, None] & col_ok, dim, p, DROPOUT, BLOCK_DIM)
+        owns = shared & (owner == token)
+        g = _tile_gradient(dy_ptr, seed_ptr, token, col, (alone | owns)[:, None] & col_ok, dim, p, DROPOUT, BLOCK_DIM)
         g *= tl.cast(scale, tl.float32)
         table_row = table_ptr + ids[:, None] * dim + col[None, :]
         tl.store(table_row, g.to(table_ptr.dtype.element_ty), mask=alone[:, None] & col_ok)
-        tl.store(sums_ptr + token[:, None] * dim + col[None, :], g, mask=first[:, None] & col_ok)
+        tl.store(sums_ptr + token[:, None] * dim + col[None, :], g, mask=owns[:, None] & col_ok)
     elif PHASE == 1:
         later = shared & (owner != token)
         if tl.max(later.to(tl.int32), axis=0) > 0:  # most tiles: skip the dropout draws
@@ -185,9 +185,9 @@ def _scatter_phase(
             owner_sums = sums_ptr + owner[:, None] * dim + col[None, :]
             tl.atomic_add(owner_sums, g, mask=later[:, None] & col_ok, sem="relaxed")
     else:
-        first = shared & (owner == token)
-        if tl.max(first.to(tl.int32), axis=0) > 0:
-            mask = first[:, None] & col_ok
+        owns = shared & (owner == token)
+        if tl.max(owns.to(tl.int32), axis=0) > 0:
+            mask = owns[:, None] & col_ok
             s = tl.load(sums_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0)
             tl.store(table_ptr + ids[:, None] * dim + col[None, :], s.to(table_ptr.dtype.element_ty), mask=mask)
 
