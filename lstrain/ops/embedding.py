@@ -699,11 +699,14 @@ def embedding(
         ``[*tokens.shape, D]`` in weight's dtype.
 
     Raises:
-        ValueError: non-integer ids, mismatched tables, devices or positions, a dropout
-            outside [0, 1), or (when checked) an id or position out of range.
+        ValueError: non-integer ids, 2**31 or more of them, mismatched tables, devices or
+            positions, a dropout outside [0, 1), or (when checked) an id or position out of
+            range.
     """
     if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() == 0:
         raise ValueError(f"embedding: tokens must be int64 or int32 ids with at least one dim, got {tokens.dtype}")
+    if tokens.numel() >= 2**31:
+        raise ValueError(f"embedding: at most 2**31 - 1 tokens per call (their counts are int32), got {tokens.numel()}")
     if weight.dim() != 2 or weight.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"embedding: weight must be a [V, D] float table, got {tuple(weight.shape)} {weight.dtype}")
     if pos_weight is not None and (pos_weight.dim() != 2 or pos_weight.shape[1] != weight.shape[1]):

@@ -146,6 +146,12 @@ def test_bad_input_names_the_argument(device, kwargs, match):
         embedding(tokens, weight, check_ids=True, **kwargs)
 
 
+def test_too_many_tokens_is_refused_before_any_work():
+    tokens = torch.empty(2**31, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1 tokens"):
+        embedding(tokens, torch.empty(5, 3, device="meta"))
+
+
 def test_transformer_embedding_module(device):
     module = lstrain.nn.TransformerEmbedding(30, 16, max_positions=12, padding_idx=0, device=device)
     assert module.scale == pytest.approx(4.0) and torch.equal(module.weight[0], torch.zeros(16, device=device))
