@@ -6,6 +6,7 @@ from hypothesis import example, given
 
 import lstrain
 from lstrain.ops import embedding, embedding_ref
+from lstrain.ops.embedding import gather_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import embedding_cases
@@ -197,3 +198,9 @@ def test_custom_ops_pass_opcheck(device):
         for token_counts in (counts, None):
             args = (dy, tokens, token_counts, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1)
             torch.library.opcheck(torch.ops.lstrain.embedding_bwd, (*args, deterministic, True, True))
+
+
+@pytest.mark.parametrize("dim, rows, cols", [(1, 128, 8), (64, 16, 64), (1000, 1, 1024), (4096, 1, 1024)])
+def test_gather_plan_tiles_about_1024_elements_on_two_warps(dim, rows, cols):
+    plan = gather_plan(dim)
+    assert (plan.block_rows, plan.block_cols, plan.num_warps) == (rows, cols, 2)
