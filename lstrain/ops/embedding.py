@@ -21,6 +21,8 @@ tensors or with ``check_ids=True``, a ValueError names them first).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -385,6 +387,7 @@ def _run_sum_kernel(
             tl.store(partials_ptr + i.to(tl.int64) * dim + col, total, mask=col_ok)
 
 
+@functools.cache
 def gather_plan(dim: int) -> ElementwisePlan:
     """Tiles of the kernels that gather or scatter whole table rows (forward, atomic
     backward, its first pass), a pure function: about 1024 elements on 2 warps, so one

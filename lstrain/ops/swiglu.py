@@ -294,9 +294,9 @@ def _launches(f: int) -> tuple[tuple[int, int, bool], ...]:
     return tuple(launches)
 
 
-def _fwd_block_f(plan) -> int:
-    """Units per forward tile: half the GEMM tile's columns (gate and up), a divisor of
-    PAIR_BLOCK."""
+def _block_f(plan) -> int:
+    """Units per epilogue tile: half the GEMM tile's columns (gate and up in forward, one
+    of the two halves backward's epilogue takes at a time), a divisor of PAIR_BLOCK."""
     return min(PAIR_BLOCK, max(16, plan.block_n // 2))
 
 
@@ -309,7 +309,7 @@ def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor
     if m == 0 or f == 0:
         return a, h
     plan = gemm_plan(m, 2 * f, k, x2d.element_size())
-    block_f = _fwd_block_f(plan)
+    block_f = _block_f(plan)
     for first, units, tail in _launches(f):
         grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, block_f),)
         _swiglu_fwd_kernel[grid](
@@ -341,7 +341,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     if m == 0 or f == 0:
         return
     plan = gemm_plan(m, f, d, dy2d.element_size())
-    block_f = min(PAIR_BLOCK, max(16, plan.block_n // 2))
+    block_f = _block_f(plan)
     sms = _backend.multiprocessor_count(_backend.device_index(dy2d))
     for first, units, tail in _launches(f):
         grid = (min(sms, triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f)),)
