@@ -46,6 +46,15 @@ def _row_coordinates(rows, heads, q_len, BLOCK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _causal_load_mask(col, q, RUN: tl.constexpr):
+    """Keys up to the diagonal, rounded up to whole runs of RUN (16 bytes): a mask that is
+    constant over each run lets every load be 16 bytes wide (a mask that ends at the
+    diagonal itself cuts them to single elements). The few keys past the diagonal that
+    this loads are masked again in registers."""
+    return col[None, :] < ((q // RUN + 1) * RUN)[:, None]
+
+
+@triton.jit
 def _attention_softmax_fwd_kernel(
     x_ptr,
     y_ptr,
@@ -69,19 +78,22 @@ def _attention_softmax_fwd_kernel(
     CAUSAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     row, row_ok, b, h, q = _row_coordinates(rows, heads, q_len, BLOCK_ROWS)
     col = tl.arange(0, BLOCK_COLS)
     in_bounds = row_ok[:, None] & (col < k_len)[None, :]
     keep = in_bounds
+    loaded = in_bounds
     if CAUSAL:
         keep &= col[None, :] <= q[:, None]
+        loaded &= _causal_load_mask(col, q, RUN)
     if HAS_PADDING:
         padded = tl.load(padding_ptr + b[:, None] * padding_stride_b + col[None, :], mask=keep, other=1)
         keep &= padded == 0
     x_offset = b[:, None] * x_stride_b + h[:, None] * x_stride_h + q[:, None] * x_stride_q + col[None, :]
     # Scaling by log2(e) once lets the exponential be a bare exp2.
-    z = tl.load(x_ptr + x_offset, mask=keep, other=0.0).to(tl.float32) * (
+    z = tl.load(x_ptr + x_offset, mask=loaded, other=0.0).to(tl.float32) * (
         tl.cast(scale, tl.float32) * 1.4426950408889634
     )
     if HAS_MASK:
@@ -117,16 +129,21 @@ def _attention_softmax_bwd_kernel(
     CAUSAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.arange(0, BLOCK_COLS)
     in_bounds = (row < rows)[:, None] & (col < k_len)[None, :]
     keep = in_bounds
+    loaded = in_bounds
     if CAUSAL:
         keep &= col[None, :] <= (row % q_len)[:, None]
+        loaded &= _causal_load_mask(col, row % q_len, RUN)
     # Padded keys need no test here: their y is exactly 0, so their gradient is too.
-    y = tl.load(y_ptr + row[:, None] * k_len + col[None, :], mask=keep, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + row[:, None] * dy_stride_row + col[None, :], mask=keep, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row[:, None] * k_len + col[None, :], mask=loaded, other=0.0)
+    dy = tl.load(dy_ptr + row[:, None] * dy_stride_row + col[None, :], mask=loaded, other=0.0)
+    y = tl.where(keep, y.to(tl.float32), 0.0)
+    dy = tl.where(keep, dy.to(tl.float32), 0.0)
     # Normalising by sum(y) (1 up to the rounding of the stored y) keeps the gradient
     # exactly orthogonal to a constant shift of the row, as the softmax Jacobian's is.
     y_total = tl.sum(y, axis=1)
@@ -196,6 +213,7 @@ def attention_softmax_fwd(
         CAUSAL=causal,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
+        RUN=16 // scores.element_size(),
         num_warps=plan.num_warps,
     )  # fmt: skip
     return y
@@ -225,6 +243,7 @@ def attention_softmax_bwd(
         CAUSAL=causal,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
+        RUN=16 // y.element_size(),
         num_warps=plan.num_warps,
     )  # fmt: skip
     return dx
