@@ -35,6 +35,7 @@ __all__ = [
     "gemm_fwd",
     "gemm_plan",
     "gemm_ref",
+    "kahan_add",
     "mainloop",
     "tile_coordinates",
     "tile_ids",
@@ -66,6 +67,18 @@ def tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
+def kahan_add(total, compensation, block):
+    """``(total + block, new compensation)``: a K block of fp32 products, summed on its own,
+    joins the accumulator with Kahan compensation, so that the rounding error grows with
+    BLOCK_K, not K (one fp32 chain over K = 431 gave 4x cuBLAS's error). The compensation
+    is subtracted from the block, not folded into the dot, so that the compiler cannot
+    merge the block back into one chain."""
+    block = block - compensation
+    new_total = total + block
+    return new_total, (new_total - total) - block
+
+
+@triton.jit
 def mainloop(
     a_ptr,
     b_ptr,
@@ -93,16 +106,8 @@ def mainloop(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
-        if IEEE:
-            # fp32 operands: full fp32 products, as torch.matmul gives by default. Each K
-            # block is summed on its own and joins the accumulator with Kahan
-            # compensation, so the rounding error grows with BLOCK_K, not K: one chain of
-            # K = 431 gave 4x cuBLAS's error (a subtraction, so that the compiler does
-            # not fold the block back into one chain).
-            block = tl.dot(a, b, input_precision="ieee") - compensation
-            total = acc + block
-            compensation = (total - acc) - block
-            acc = total
+        if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
+            acc, compensation = kahan_add(acc, compensation, tl.dot(a, b, input_precision="ieee"))
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak

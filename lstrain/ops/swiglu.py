@@ -34,7 +34,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from lstrain import _backend
-from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
+from lstrain.ops.gemm import gemm_plan, kahan_add, mainloop, tile_ids
 
 __all__ = [
     "PAIR_BLOCK",
@@ -101,15 +101,17 @@ def _mainloop_pairs(
     b_ptrs = b_ptr + ks[:, None] * stride_bk + gate_cols[None, :] * stride_bn
     acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    compensation0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    compensation1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
         k_ok = (ks < k_left)[:, None]
         b0 = tl.load(b_ptrs, mask=k_ok & gate_ok[None, :], other=0.0)
         b1 = tl.load(b_ptrs + up_offset * stride_bn, mask=k_ok & up_ok[None, :], other=0.0)
-        if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
-            acc0 = tl.dot(a, b0, acc0, input_precision="ieee")
-            acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
+        if IEEE:  # fp32 operands: full fp32 products, joined as gemm's mainloop joins them
+            acc0, compensation0 = kahan_add(acc0, compensation0, tl.dot(a, b0, input_precision="ieee"))
+            acc1, compensation1 = kahan_add(acc1, compensation1, tl.dot(a, b1, input_precision="ieee"))
         else:
             acc0 = tl.dot(a, b0, acc0)
             acc1 = tl.dot(a, b1, acc1)
