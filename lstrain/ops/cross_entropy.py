@@ -214,13 +214,13 @@ def _cross_entropy_fwd_kernel(
             run_max, run_sum = _chunk_stats(x, run_max, run_sum)
             if HAS_SMOOTHING:
                 run_total += tl.sum(x, axis=1)
-        # The partial chunk, empty or not: behind an `if`, the loop's sums would have two
-        # uses, which Triton 3.6's thread-locality pass cannot take (it asserts).
-        in_row = (tl.arange(0, LANES) < lanes - full * LANES)[:, None]
-        x_rem = tl.load(logits_ptr + body + full * CHUNK, mask=in_row, other=-float("inf")).to(tl.float32)
-        run_max, run_sum = _chunk_stats(x_rem, run_max, run_sum)
-        if HAS_SMOOTHING:
-            run_total += tl.sum(tl.where(in_row, x_rem, 0.0), axis=1)
+        rem = lanes - full * LANES
+        if rem > 0:
+            in_row = (tl.arange(0, LANES) < rem)[:, None]
+            x_rem = tl.load(logits_ptr + body + full * CHUNK, mask=in_row, other=-float("inf")).to(tl.float32)
+            run_max, run_sum = _chunk_stats(x_rem, run_max, run_sum)
+            if HAS_SMOOTHING:
+                run_total += tl.sum(tl.where(in_row, x_rem, 0.0), axis=1)
         col, ok = _loose_columns(head, lanes, vocab, RUN)
         x_loose = tl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(tl.float32)
         row_max = tl.maximum(tl.max(run_max, axis=0), tl.max(x_loose, axis=0))
