@@ -5,11 +5,10 @@ Target distribution p = (1 - a) * onehot(target) + a / V (a = label_smoothing), 
     loss_i = lse_i - (1 - a) * x_i[t_i] - (a / V) * sum_j x_ij  (+ z_loss * lse_i^2)
     dloss_i / dx_ij = softmax_ij * (1 + 2 * z_loss * lse_i) - p_ij
 
-A program reads a row once for the statistics (max and sum-exp per run of 16 bytes, plus
-the sum of logits for smoothing) and, when the loss is reduced (mean or sum), writes the
-gradient (q - p) * scale in a second sweep over the same row, backwards from its end so
-that it finds in L2 what the first sweep read last; a few persistent programs per SM with
-deep load pipelines keep the rows in flight, hence the re-read data, few. Rows are swept as a
+One program per row reads the row once for the statistics (max and sum-exp per run of
+16 bytes, plus the sum of logits for smoothing) and, when the loss is reduced (mean or
+sum), writes the gradient (q - p) * scale in a second sweep over the same row, backwards
+from its end so that it finds in L2 what the first sweep read last. Rows are swept as a
 16-byte-aligned body of whole runs plus a few loose elements at either end, so that every
 load and store of the body is 16 bytes wide whatever V is. Backward then only
 has to multiply by grad_output, and skips even that (touching no memory) when grad_output
@@ -125,7 +124,6 @@ def _write_gradient(
     HAS_Z_LOSS: tl.constexpr,
     LANES: tl.constexpr,
     RUN: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is 0 or NaN for
     ignored or bad rows, which zeroes or poisons them).
@@ -147,8 +145,8 @@ def _write_gradient(
     tl.store(grad_ptr + grad_start + col, g_loose.to(grad_ptr.dtype.element_ty), mask=ok)
     # Backwards through the body, last chunk first: the chunks the statistics sweep read
     # last are the likeliest to be still in L2. Only the partial chunk is masked (per run,
-    # so its loads stay 16 bytes wide); whole chunks are loaded STAGES - 1 iterations
-    # ahead of their use. Nothing here is read again: loads and stores may leave L2 first.
+    # so its loads stay 16 bytes wide); each whole chunk is loaded one iteration ahead.
+    # Nothing here is read again: loads and stores may leave L2 first.
     full = lanes // LANES
     rem = lanes - full * LANES
     if rem > 0:
@@ -159,11 +157,16 @@ def _write_gradient(
             grad_ptr + grad_body + full * CHUNK, g_rem.to(grad_ptr.dtype.element_ty), mask=in_row,
             eviction_policy="evict_first",
         )  # fmt: skip
-    for k in tl.range(0, full, num_stages=STAGES):
-        first = (full - 1 - k) * CHUNK
-        x = tl.load(x_ptr + body + first, eviction_policy="evict_first")
-        g = _gradient(x, head + first + offs, target, row_max, e_scale, on_target, uniform)
-        tl.store(grad_ptr + grad_body + first, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
+    if full > 0:
+        x = tl.load(x_ptr + body + (full - 1) * CHUNK, eviction_policy="evict_first")
+        for k in range(1, full):
+            first = (full - k) * CHUNK
+            x_next = tl.load(x_ptr + body + first - CHUNK, eviction_policy="evict_first")
+            g = _gradient(x, head + first + offs, target, row_max, e_scale, on_target, uniform)
+            tl.store(grad_ptr + grad_body + first, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
+            x = x_next
+        g = _gradient(x, head + offs, target, row_max, e_scale, on_target, uniform)
+        tl.store(grad_ptr + grad_body, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
 
 
 @triton.jit
@@ -188,62 +191,66 @@ def _cross_entropy_fwd_kernel(
     ALIGNED: tl.constexpr,
     LANES: tl.constexpr,
     RUN: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     CHUNK: tl.constexpr = LANES * RUN
+    row = tl.program_id(0).to(tl.int64)
     smoothing = tl.cast(smoothing, tl.float32)
     z_loss = tl.cast(z_loss, tl.float32)
-    mean_scale = 1.0
-    if WRITE_GRAD and MEAN:
-        mean_scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
-    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)
-        target = tl.load(target_ptr + row).to(tl.int64)
-        ignored = target == ignore_index
-        bad = ((target < 0) | (target >= vocab)) & ~ignored
-        start, grad_start, head, lanes, body, grad_body = _row_offsets(
-            row, logits_row_stride, grad_row_stride, vocab, LANES, RUN, ALIGNED
-        )
-        # Statistics per run of RUN logits: no cross-thread reduction until the row is done.
-        run_max = tl.full([LANES], -3.4028234663852886e38, tl.float32)
-        run_sum = tl.zeros([LANES], dtype=tl.float32)
-        run_total = tl.zeros([LANES], dtype=tl.float32)
-        full = lanes // LANES
-        for c in tl.range(0, full, num_stages=STAGES):  # whole chunks, unmasked
-            x = tl.load(logits_ptr + body + c * CHUNK).to(tl.float32)
-            run_max, run_sum = _chunk_stats(x, run_max, run_sum)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    bad = ((target < 0) | (target >= vocab)) & ~ignored
+    start, grad_start, head, lanes, body, grad_body = _row_offsets(
+        row, logits_row_stride, grad_row_stride, vocab, LANES, RUN, ALIGNED
+    )
+    # Statistics per run of RUN logits: no cross-thread reduction until the row is done.
+    run_max = tl.full([LANES], -3.4028234663852886e38, tl.float32)
+    run_sum = tl.zeros([LANES], dtype=tl.float32)
+    run_total = tl.zeros([LANES], dtype=tl.float32)
+    full = lanes // LANES
+    if full > 0:  # whole chunks unmasked, each loaded one iteration ahead of its use
+        x = tl.load(logits_ptr + body)
+        for c in range(1, full):
+            x_next = tl.load(logits_ptr + body + c * CHUNK)
+            run_max, run_sum = _chunk_stats(x.to(tl.float32), run_max, run_sum)
             if HAS_SMOOTHING:
-                run_total += tl.sum(x, axis=1)
-        rem = lanes - full * LANES
-        if rem > 0:
-            in_row = (tl.arange(0, LANES) < rem)[:, None]
-            x_rem = tl.load(logits_ptr + body + full * CHUNK, mask=in_row, other=-float("inf")).to(tl.float32)
-            run_max, run_sum = _chunk_stats(x_rem, run_max, run_sum)
-            if HAS_SMOOTHING:
-                run_total += tl.sum(tl.where(in_row, x_rem, 0.0), axis=1)
-        col, ok = _loose_columns(head, lanes, vocab, RUN)
-        x_loose = tl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(tl.float32)
-        row_max = tl.maximum(tl.max(run_max, axis=0), tl.max(x_loose, axis=0))
-        sum_exp = tl.sum(run_sum * tl.exp(run_max - row_max), axis=0) + tl.sum(tl.exp(x_loose - row_max), axis=0)
-        log_sum_exp = tl.log(sum_exp)
-        x_target = tl.load(logits_ptr + start + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
-        # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
-        loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
+                run_total += tl.sum(x.to(tl.float32), axis=1)
+            x = x_next
+        run_max, run_sum = _chunk_stats(x.to(tl.float32), run_max, run_sum)
         if HAS_SMOOTHING:
-            total = tl.sum(run_total, axis=0) + tl.sum(tl.where(ok, x_loose, 0.0), axis=0)
-            loss += smoothing * (row_max - total / vocab)
-        if HAS_Z_LOSS:
-            loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
-        loss = tl.where(ignored, 0.0, tl.where(bad, float("nan"), loss))
-        tl.store(loss_ptr + row, loss)
-        tl.store(stats_ptr + row, row_max)
-        tl.store(stats_ptr + rows + row, sum_exp)
-        if WRITE_GRAD:
-            scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), mean_scale))
-            _write_gradient(
-                logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target, row_max,
-                sum_exp, scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN, STAGES,
-            )  # fmt: skip
+            run_total += tl.sum(x.to(tl.float32), axis=1)
+    rem = lanes - full * LANES
+    if rem > 0:
+        in_row = (tl.arange(0, LANES) < rem)[:, None]
+        x_rem = tl.load(logits_ptr + body + full * CHUNK, mask=in_row, other=-float("inf")).to(tl.float32)
+        run_max, run_sum = _chunk_stats(x_rem, run_max, run_sum)
+        if HAS_SMOOTHING:
+            run_total += tl.sum(tl.where(in_row, x_rem, 0.0), axis=1)
+    col, ok = _loose_columns(head, lanes, vocab, RUN)
+    x_loose = tl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(tl.float32)
+    row_max = tl.maximum(tl.max(run_max, axis=0), tl.max(x_loose, axis=0))
+    sum_exp = tl.sum(run_sum * tl.exp(run_max - row_max), axis=0) + tl.sum(tl.exp(x_loose - row_max), axis=0)
+    log_sum_exp = tl.log(sum_exp)
+    x_target = tl.load(logits_ptr + start + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
+    # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
+    loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
+    if HAS_SMOOTHING:
+        total = tl.sum(run_total, axis=0) + tl.sum(tl.where(ok, x_loose, 0.0), axis=0)
+        loss += smoothing * (row_max - total / vocab)
+    if HAS_Z_LOSS:
+        loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
+    loss = tl.where(ignored, 0.0, tl.where(bad, float("nan"), loss))
+    tl.store(loss_ptr + row, loss)
+    tl.store(stats_ptr + row, row_max)
+    tl.store(stats_ptr + rows + row, sum_exp)
+    if WRITE_GRAD:
+        scale = 1.0
+        if MEAN:
+            scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+        scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
+        _write_gradient(
+            logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target, row_max, sum_exp,
+            scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -264,26 +271,22 @@ def _cross_entropy_bwd_kernel(
     ALIGNED: tl.constexpr,
     LANES: tl.constexpr,
     RUN: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """Gradient of the unreduced loss: row i scaled by grad_output[i]."""
-    smoothing = tl.cast(smoothing, tl.float32)
-    z_loss = tl.cast(z_loss, tl.float32)
-    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)
-        target = tl.load(target_ptr + row).to(tl.int64)
-        ignored = target == ignore_index
-        bad = ((target < 0) | (target >= vocab)) & ~ignored
-        scale = tl.load(grad_output_ptr + row).to(tl.float32)
-        scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
-        start, grad_start, head, lanes, body, grad_body = _row_offsets(
-            row, logits_row_stride, grad_row_stride, vocab, LANES, RUN, ALIGNED
-        )
-        _write_gradient(
-            logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target,
-            tl.load(stats_ptr + row), tl.load(stats_ptr + rows + row), scale, smoothing, z_loss, HAS_Z_LOSS, LANES,
-            RUN, STAGES,
-        )  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    bad = ((target < 0) | (target >= vocab)) & ~ignored
+    scale = tl.load(grad_output_ptr + row).to(tl.float32)
+    scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
+    start, grad_start, head, lanes, body, grad_body = _row_offsets(
+        row, logits_row_stride, grad_row_stride, vocab, LANES, RUN, ALIGNED
+    )
+    _write_gradient(
+        logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target,
+        tl.load(stats_ptr + row), tl.load(stats_ptr + rows + row), scale, tl.cast(smoothing, tl.float32),
+        tl.cast(z_loss, tl.float32), HAS_Z_LOSS, LANES, RUN,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -302,41 +305,26 @@ def _scale_unless_one_kernel(grad_ptr, grad_output_ptr, elements, BLOCK: tl.cons
 
 @dataclass(frozen=True)
 class CrossEntropyPlan:
-    """Launch settings: rows swept in chunks of ``block`` logits (``block // RUN`` runs of
-    16 bytes), each chunk loaded ``num_stages - 1`` iterations ahead of its use; either a
-    program per row (``programs_per_sm`` None) or that many persistent programs per SM,
-    each walking its share of the rows."""
+    """Launch settings: one program per row, sweeping it in chunks of ``block`` logits
+    (``block // RUN`` runs of 16 bytes)."""
 
     block: int
     num_warps: int
-    programs_per_sm: int | None = None
-    num_stages: int = 2
 
 
 @functools.cache
-def cross_entropy_plan(vocab: int, gradient: bool = True) -> CrossEntropyPlan:
-    """Launch settings for rows of ``vocab`` logits (a pure function); ``gradient``: the
-    launch also writes the gradient (a second sweep over each row).
+def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
+    """Launch settings for rows of ``vocab`` logits (a pure function).
 
-    Chunks of 2048 logits, 8 per thread, at most 8 warps. Writing the gradient: 3
-    persistent programs per SM with 6-deep pipelines, so that few rows are in flight (the
-    gradient sweep finds more of its row still in L2) while each row keeps many loads in
-    flight. On the H200 (bf16, smoothing, one launch): 1223 us at 16384 x 50257 and 1533 at
-    8192 x 128256, against 1241 and 1641 for a program per row (1-deep prefetch), and
-    1649-2761 us with 1-2 programs per SM and 2-3 stages. The loss alone streams best with
-    a program per row.
+    Chunks of 2048 logits, 8 per thread, at most 8 warps: many rows in flight per SM, so
+    that one row's reductions hide behind another's loads. On the H200 (bf16, smoothing,
+    loss and gradient, one launch): 1.26 ms at 16384 x 50257 against 1.29 with 4096-wide
+    chunks, 1.47 with 4 warps and 1.80-2.04 with 16; at 8192 x 128256 1.66 ms against
+    1.73, 1.85 and 1.94-2.37; persistent programs (2 to 8 per SM, walking rows) were no
+    faster anywhere and up to 1.5x slower.
     """
     block = min(2048, triton.next_power_of_2(vocab))
-    warps = max(1, min(8, block // 256))
-    if gradient:
-        return CrossEntropyPlan(block, warps, programs_per_sm=3, num_stages=6)
-    return CrossEntropyPlan(block, warps)
-
-
-def _programs(rows: int, device_index: int, plan: CrossEntropyPlan) -> int:
-    if plan.programs_per_sm is None:
-        return rows
-    return min(rows, _backend.multiprocessor_count(device_index) * plan.programs_per_sm)
+    return CrossEntropyPlan(block, num_warps=max(1, min(8, block // 256)))
 
 
 def _launch_layout(x: torch.Tensor, grad: torch.Tensor | None, plan: CrossEntropyPlan) -> dict:
@@ -346,7 +334,7 @@ def _launch_layout(x: torch.Tensor, grad: torch.Tensor | None, plan: CrossEntrop
     aligned = x.data_ptr() % 16 == 0 and (
         grad is None or (grad.data_ptr() % 16 == 0 and (x.stride(0) - grad.stride(0)) % run == 0)
     )
-    return {"ALIGNED": aligned, "LANES": max(1, plan.block // run), "RUN": run, "STAGES": plan.num_stages}
+    return {"ALIGNED": aligned, "LANES": max(1, plan.block // run), "RUN": run}
 
 
 def cross_entropy_fwd(
@@ -380,9 +368,9 @@ def cross_entropy_fwd(
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
     if rows == 0:
         return loss, stats
+    plan = plan or cross_entropy_plan(vocab)
     write_grad = grad_scale is not None
-    plan = plan or cross_entropy_plan(vocab, gradient=write_grad)
-    _cross_entropy_fwd_kernel[(_programs(rows, _backend.device_index(x), plan),)](
+    _cross_entropy_fwd_kernel[(rows,)](
         x, flat_target, loss, stats, grad_out if write_grad else None, valid_rows,
         rows, vocab, x.stride(0), grad_out.stride(0) if write_grad else 0,
         ignore_index, label_smoothing, z_loss,
@@ -414,7 +402,7 @@ def cross_entropy_bwd(
         return grad
     plan = plan or cross_entropy_plan(vocab)
     grad_output = grad_output.reshape(-1).contiguous()
-    _cross_entropy_bwd_kernel[(_programs(rows, _backend.device_index(x), plan),)](
+    _cross_entropy_bwd_kernel[(rows,)](
         x, target.reshape(-1).contiguous(), stats, grad_output, grad,
         rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
         HAS_Z_LOSS=z_loss > 0,

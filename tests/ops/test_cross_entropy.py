@@ -1,5 +1,3 @@
-import itertools
-
 import pytest
 import torch
 from hypothesis import example, given
@@ -7,13 +5,7 @@ from hypothesis import example, given
 import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import cross_entropy, cross_entropy_ref
-from lstrain.ops.cross_entropy import (
-    CrossEntropyPlan,
-    _launch_layout,
-    cross_entropy_fwd,
-    cross_entropy_plan,
-    scale_gradient_,
-)
+from lstrain.ops.cross_entropy import CrossEntropyPlan, _launch_layout, cross_entropy_plan, scale_gradient_
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import cross_entropy_cases
@@ -190,38 +182,18 @@ def test_bad_input_names_the_argument(device, kwargs, match):
 
 
 def test_launch_plan():
-    assert cross_entropy_plan(50257) == CrossEntropyPlan(2048, 8, programs_per_sm=3, num_stages=6)
-    assert cross_entropy_plan(50257, gradient=False) == CrossEntropyPlan(2048, 8)
+    assert cross_entropy_plan(50257) == CrossEntropyPlan(2048, 8)
     assert cross_entropy_plan(100).block == 128
-    for vocab, gradient in itertools.product((1, 2, 1000, 32000, 262144), (True, False)):
-        plan = cross_entropy_plan(vocab, gradient)
-        assert 1 <= plan.num_warps <= 8 and plan.block <= 2048 and plan.num_stages >= 1
-        assert (plan.programs_per_sm is None) == (not gradient)
-
-
-@pytest.mark.parametrize("programs_per_sm", [None, 1])
-def test_persistent_programs_walk_every_row(device, programs_per_sm):
-    """More rows than programs (one per SM: the interpreter counts 4 SMs) reach every row."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(11, 300, device=device, generator=gen).to(torch.float16)
-    target = torch.randint(0, 300, (11,), device=device, generator=gen)
-    plan = CrossEntropyPlan(64, 2, programs_per_sm=programs_per_sm, num_stages=3)
-    grad = torch.empty_like(logits)
-    loss, _ = cross_entropy_fwd(logits, target, 0.1, -100, 0.0, "sum", grad, plan=plan)
-    expected = torch.nn.functional.cross_entropy(logits.float(), target.long(), label_smoothing=0.1, reduction="none")
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    reference = torch.autograd.functional.jacobian(
-        lambda x: torch.nn.functional.cross_entropy(x, target.long(), label_smoothing=0.1, reduction="sum"),
-        logits.float(),
-    )
-    torch.testing.assert_close(grad.float(), reference, rtol=1e-2, atol=1e-3)
+    for vocab in (1, 2, 1000, 32000, 262144):
+        plan = cross_entropy_plan(vocab)
+        assert 1 <= plan.num_warps <= 8 and plan.block <= 2048
 
 
 def test_alignment_hint_only_where_it_holds():
     plan = cross_entropy_plan(4999)
     storage = torch.zeros(8 * 5000, dtype=torch.bfloat16)
     logits = storage[: 4 * 4999].view(4, 4999)
-    assert _launch_layout(logits, None, plan) == {"ALIGNED": True, "LANES": 256, "RUN": 8, "STAGES": 6}
+    assert _launch_layout(logits, None, plan) == {"ALIGNED": True, "LANES": 256, "RUN": 8}
     assert _launch_layout(logits.float(), None, plan)["RUN"] == 4
     assert not _launch_layout(storage[3 : 3 + 4 * 4999].view(4, 4999), None, plan)["ALIGNED"]
     # a gradient whose rows are shifted against the logits' by other than whole runs
