@@ -3,8 +3,9 @@
 Masks: a key-padding mask ([B, K] bool, True = masked), an additive float mask that
 broadcasts to the scores, and ``causal`` (key k is masked for query q when k > q, the
 top-left alignment of ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``).
-Causally masked elements are never loaded, in forward or backward: their outputs and
-gradients are written as zeros. A row with every key masked gives zeros, not NaN.
+Causally masked elements are not loaded, in forward or backward, beyond the 16 bytes
+that hold the diagonal (so that every load is 16 bytes wide): their outputs and gradients
+are written as zeros. A row with every key masked gives zeros, not NaN.
 
 One kernel each way; a program owns one or more whole rows held in registers.
 Backward: dscores = scale * y * (dy - sum(dy * y)).

@@ -64,6 +64,24 @@ def test_fully_masked_rows_are_zero_with_zero_gradient(device):
     assert torch.equal(scores.grad[1], torch.zeros_like(scores.grad[1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_ignores_what_lies_past_the_diagonal(device, dtype):
+    """Loads run to the end of the 16 bytes that hold the diagonal: NaN and inf there (in
+    scores or in dy) must not reach the outputs or the gradient."""
+    scores = torch.randn(1, 2, 16, 16, device=device).to(dtype)
+    future = torch.ones(16, 16, dtype=torch.bool, device=device).triu(1)
+    poisoned = scores.masked_fill(future, float("nan")).requires_grad_()
+    clean = scores.masked_fill(future, 0.0).requires_grad_()
+    dy = torch.randn(1, 2, 16, 16, device=device).to(dtype)
+    y = attention_softmax(poisoned, causal=True)
+    y.backward(dy.masked_fill(future, float("inf")))
+    y_clean = attention_softmax(clean, causal=True)
+    y_clean.backward(dy)
+    assert torch.equal(y, y_clean)
+    assert torch.equal(poisoned.grad, clean.grad)
+    assert torch.isfinite(poisoned.grad).all()
+
+
 def test_nan_in_gives_nan_out(device):
     scores = torch.randn(1, 1, 2, 16, device=device)
     scores[0, 0, 1, 3] = float("nan")
