@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.kernel_audit import _aligned
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_aligned_means_every_pointer_and_integer_is_a_multiple_of_16():
+    launch = {"signature": {"x": "*bf16", "n": "i32", "eps": "fp32", "BLOCK": "constexpr"}, "divisible": [0, 1]}
+    assert _aligned(launch)
+    assert not _aligned(launch | {"divisible": [0]})  # n = 1000 + 1, say
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="an audit for machines without a GPU (it drives the interpreter)")
+def test_compiles_for_sm90_what_a_test_launches():
+    """The audit runs a test through the interpreter and compiles its launches for sm_90
+    with the installed Triton (no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_audit", "--jobs", "1", "tests/ops/test_layer_norm.py", "-k",
+         "zero_rows or fp32_weight"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "_layer_norm_fwd_kernel" in run.stdout and " 0 failed to compile" in run.stdout
