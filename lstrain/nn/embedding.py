@@ -12,8 +12,17 @@ __all__ = ["TransformerEmbedding", "sinusoidal_positions"]
 
 
 def sinusoidal_positions(max_positions: int, dim: int, device=None, dtype=None) -> torch.Tensor:
-    """The fixed sin/cos table of "Attention Is All You Need": [max_positions, dim], sines in
-    the even columns and cosines in the odd ones."""
+    """The fixed sin/cos table of "Attention Is All You Need", computed in fp64.
+
+    Args:
+        max_positions: rows of the table.
+        dim: columns: sines in the even ones, cosines in the odd ones.
+        device: where to build it.
+        dtype: of the result (default torch's default dtype).
+
+    Returns:
+        A ``[max_positions, dim]`` tensor.
+    """
     position = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None]
     frequency = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64, device=device) * (-math.log(10000.0) / dim))
     table = torch.zeros(max_positions, dim, dtype=torch.float64, device=device)

@@ -400,6 +400,12 @@ def attention_softmax_ref(
 
     The softmax runs in the input dtype as eager PyTorch code would (saving a rounded
     output for backward); fp64 input is computed in fp64 throughout.
+
+    Args:
+        scores, scale, key_padding_mask, mask, causal: as for :func:`attention_softmax`.
+
+    Returns:
+        The probabilities, shaped and typed like ``scores`` (zeros for fully masked rows).
     """
     compute = torch.float64 if scores.dtype == torch.float64 else torch.float32
     z = scores.to(compute) * scale

@@ -281,9 +281,17 @@ def bias_dropout_residual_ref(
     dropout: float = 0.0,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch in fp32. ``mask`` (bool, x's shape) fixes which elements are kept,
-    e.g. :func:`lstrain.ops.dropout.dropout_mask` of the seed an lstrain call used; without
-    it, torch's generator draws one."""
+    """Plain PyTorch in fp32.
+
+    Args:
+        x, bias, residual, dropout: as for :func:`bias_dropout_residual`.
+        mask: bool, x's shape: which elements are kept, e.g.
+            :func:`lstrain.ops.dropout.dropout_mask` of the seed an lstrain call used;
+            None lets torch's generator draw one.
+
+    Returns:
+        ``dropout(x + bias) + residual`` in x's dtype.
+    """
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     v = x.to(compute) if bias is None else x.to(compute) + bias.to(compute)
     if dropout > 0:

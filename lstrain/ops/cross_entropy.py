@@ -660,7 +660,15 @@ def cross_entropy_ref(
     z_loss: float = 0.0,
 ) -> torch.Tensor:
     """PyTorch's own cross-entropy (computed in fp32 for low-precision logits, as its
-    kernels do), plus the z-loss term, in the logits' dtype."""
+    kernels do), plus the z-loss term.
+
+    Args:
+        logits, target, label_smoothing, ignore_index, reduction, z_loss: as for
+            :func:`cross_entropy`.
+
+    Returns:
+        The loss in the logits' dtype: 0-d for mean/sum, else shaped like target.
+    """
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.reshape(-1, logits.shape[-1]).to(compute)
     t = target.reshape(-1).long()

@@ -58,7 +58,15 @@ def _dropout_mask_kernel(seed_ptr, mask_ptr, cols, p, BLOCK_COLS: tl.constexpr):
 
 
 def new_seed(device: torch.device | str) -> torch.Tensor:
-    """A fresh seed: a 1-element int64 tensor on ``device``, drawn from torch's generator there."""
+    """A fresh seed for the dropout kernels, drawn from torch's generator on ``device``
+    (so ``torch.manual_seed`` makes the masks reproducible); no host sync.
+
+    Args:
+        device: where the kernels that use it will run.
+
+    Returns:
+        A 1-element int64 tensor on ``device``.
+    """
     return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
 
 
@@ -68,6 +76,14 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
     The mask is a function of the seed, the last dim (a row's length) and an element's
     (row, column) in the [*, shape[-1]] view; exposed so that tests can compare a fused op
     with plain PyTorch under the very same mask.
+
+    Args:
+        seed: the 1-element int64 seed tensor the op used (its device runs the kernel).
+        shape: the shape of the op's input.
+        p: the dropout probability.
+
+    Returns:
+        A bool tensor of ``shape``: True where an element is kept.
     """
     mask = torch.empty(shape, dtype=torch.int8, device=seed.device)
     if mask.numel():

@@ -764,7 +764,18 @@ def embedding_ref(
     padding_idx: int | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch in fp32; ``mask`` (bool, the output's shape) fixes the dropout."""
+    """Plain PyTorch in fp32.
+
+    Args:
+        tokens, weight, pos_weight, positions, scale, dropout, padding_idx: as for
+            :func:`embedding`.
+        mask: bool, the output's shape: which elements dropout keeps; None lets torch's
+            generator draw one.
+
+    Returns:
+        ``dropout(scale * weight[tokens] + pos_weight[positions])`` in weight's dtype, zero
+        where a token is padding_idx.
+    """
     compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
     v = torch.nn.functional.embedding(tokens.long(), weight.to(compute)) * scale
     if pos_weight is not None:

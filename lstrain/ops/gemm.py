@@ -339,7 +339,14 @@ def gemm_ref(
     activation: str | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch: the product in fp32 (fp64 for fp64 input), epilogue in the same precision."""
+    """Plain PyTorch: the product in fp32 (fp64 for fp64 input), epilogue in the same precision.
+
+    Args:
+        a, b, c, bias, alpha, beta, activation, out_dtype: as for :func:`gemm`.
+
+    Returns:
+        ``act(alpha * (a @ b) + beta * c + bias)`` in ``out_dtype`` (default a's dtype).
+    """
     compute = torch.float64 if a.dtype == torch.float64 else torch.float32
     z = alpha * (a.to(compute) @ b.to(compute))
     if c is not None and beta != 0.0:

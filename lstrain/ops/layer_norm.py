@@ -477,7 +477,14 @@ def layer_norm_ref(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """PyTorch's own LayerNorm, with the parameters cast to ``x.dtype`` as it requires."""
+    """PyTorch's own LayerNorm, with the parameters cast to ``x.dtype`` as it requires.
+
+    Args:
+        x, normalized_shape, weight, bias, eps: as for :func:`layer_norm`.
+
+    Returns:
+        The normalised tensor, shaped and typed like ``x``.
+    """
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     weight = None if weight is None else weight.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)

@@ -301,7 +301,15 @@ def linear_cross_entropy_ref(
     reduction: str = "mean",
     z_loss: float = 0.0,
 ) -> torch.Tensor:
-    """Plain PyTorch: the full logits, then :func:`cross_entropy_ref`."""
+    """Plain PyTorch: the full logits, then :func:`cross_entropy_ref`.
+
+    Args:
+        hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss:
+            as for :func:`linear_cross_entropy`.
+
+    Returns:
+        The loss of ``hidden @ weight.T + bias``, as :func:`cross_entropy_ref` gives it.
+    """
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return cross_entropy_ref(
         logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index, reduction=reduction, z_loss=z_loss

@@ -418,7 +418,17 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """``[D, 2F]`` in the pair layout from ``[D, F]`` gate and up matrices (x @ w convention)."""
+    """The pair layout of the gate and up projections (see the module docstring).
+
+    Args:
+        w_gate: ``[D, F]`` gate matrix, ``x @ w`` convention (a ``torch.nn.Linear``'s
+            weight transposed).
+        w_up: ``[D, F]`` up matrix, same convention.
+
+    Returns:
+        A new ``[D, 2F]`` tensor: whole pair blocks of 128 gate then 128 up columns, then
+        the last partial block's gate and up columns.
+    """
     d, f = w_gate.shape
     whole = f - f % PAIR_BLOCK
     blocks = torch.stack((w_gate[:, :whole].reshape(d, -1, PAIR_BLOCK), w_up[:, :whole].reshape(d, -1, PAIR_BLOCK)), 2)
@@ -426,7 +436,14 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``[D, F]`` gate and up matrices (new tensors) of a pair-layout ``[D, 2F]`` matrix."""
+    """Undo :func:`pack_gate_up`.
+
+    Args:
+        w_gate_up: a ``[D, 2F]`` matrix in the pair layout.
+
+    Returns:
+        ``(w_gate, w_up)``: new ``[D, F]`` tensors.
+    """
     d, f = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     whole = f - f % PAIR_BLOCK
     blocks = w_gate_up[:, : 2 * whole].reshape(d, -1, 2, PAIR_BLOCK)
@@ -475,6 +492,13 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 
 
 def swiglu_mlp_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch with the separate gate and up matrices."""
+    """Plain PyTorch with the separate gate and up matrices.
+
+    Args:
+        x, w_gate_up, w_down: as for :func:`swiglu_mlp` (``w_gate_up`` in the pair layout).
+
+    Returns:
+        ``(silu(x @ W_gate) * (x @ W_up)) @ w_down``, x's dtype.
+    """
     w_gate, w_up = unpack_gate_up(w_gate_up)
     return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down

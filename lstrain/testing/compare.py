@@ -110,7 +110,16 @@ def compare_to_reference(
 
 
 def assert_all_passed(comparisons: Sequence[Comparison], context: str = "") -> None:
-    """Raise AssertionError listing every comparison, if any failed."""
+    """Raise AssertionError listing every comparison, if any failed.
+
+    Args:
+        comparisons: what :func:`check_function`, :func:`check_module` or
+            :func:`compare_to_reference` returned.
+        context: named in the message (e.g. the hypothesis case).
+
+    Raises:
+        AssertionError: at least one comparison failed; the message lists all of them.
+    """
     if all(c.passed for c in comparisons):
         return
     lines = "\n  ".join(c.message() for c in comparisons)
@@ -206,6 +215,13 @@ def check_module(
         theirs = torch.nn.LayerNorm(1024).cuda().bfloat16()
         x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
         assert_all_passed(check_module(ours, theirs, x))
+
+    Args:
+        module: the module under test, in the precision under test.
+        reference: a plain-PyTorch module with the same parameter names and shapes.
+        *inputs: positional inputs for both; floating-point ones are differentiated.
+        atol: see :func:`compare_to_reference`.
+        generator: for the upstream gradient (CPU generator; reproducible checks).
 
     Returns:
         Comparisons for ``output``, ``grad input<i>`` and ``grad <parameter name>``.

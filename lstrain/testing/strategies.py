@@ -3,6 +3,12 @@
 Shapes lean on the cases kernels get wrong: one row, odd and non-power-of-two widths,
 widths one past a power of two, and (where the profile allows) rows longer than one
 register tile.
+
+The ``*_cases`` strategies share one signature: ``layer_norm_cases(device="cpu",
+dtype=None)`` is a strategy of dicts (shapes, dtype, flags and a ``seed`` for the
+values), sized by :func:`size_limits` of ``device``; ``dtype`` pins the dtype, else
+fp32, fp16 and bf16 are drawn (the GEMM cases draw no bf16 on the CPU). Each op's
+check (``lstrain.testing.checks.OP_CHECKS``) turns a case into tensors and compares.
 """
 
 from __future__ import annotations
@@ -49,7 +55,15 @@ def register_profiles() -> None:
 
 
 def size_limits(device: str) -> dict[str, int]:
-    """Largest sizes worth drawing on ``device`` ("cpu" runs the interpreter)."""
+    """Largest sizes worth drawing on ``device``.
+
+    Args:
+        device: ``"cpu"`` (the interpreter: small) or a GPU device.
+
+    Returns:
+        ``rows``, ``cols``, ``long_cols``, ``k_len``, ``long_k``, ``vocab`` and
+        ``long_vocab`` upper bounds.
+    """
     if device == "cpu":
         return {
             "rows": 12,
@@ -82,7 +96,14 @@ def seeds() -> st.SearchStrategy[int]:
 
 
 def row_widths(max_cols: int) -> st.SearchStrategy[int]:
-    """Row widths: 1, small odd ones, powers of two and their neighbours, anything up to max_cols."""
+    """Row widths: 1, small odd ones, powers of two and their neighbours, anything up to max_cols.
+
+    Args:
+        max_cols: the widest row to draw.
+
+    Returns:
+        A strategy of ints in [1, max_cols].
+    """
     powers = [2**k for k in range(max_cols.bit_length()) if 2**k <= max_cols]
     near_powers = sorted({n + d for n in powers for d in (-1, 0, 1) if 1 <= n + d <= max_cols})
     return st.one_of(st.sampled_from(near_powers), st.integers(1, max_cols))
