@@ -115,7 +115,11 @@ class FlatParameters:
 
     def all_reduce_grads(self, group=None) -> None:
         """Average the gradients over a process group: one all-reduce per flat buffer,
-        whatever the number of tensors (for data parallelism without DDP's own buckets)."""
+        whatever the number of tensors (for data parallelism without DDP's own buckets).
+
+        Args:
+            group: the ``torch.distributed`` process group (default: the world).
+        """
         import torch.distributed as dist
 
         world = dist.get_world_size(group)
@@ -124,5 +128,6 @@ class FlatParameters:
             buffer.grad.div_(world)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters, each a view into its flat buffer, in buffer order."""
         for buffer in self.buffers:
             yield from buffer.params

@@ -54,11 +54,23 @@ class LossScaler:
         self._found_inf: torch.Tensor | None = None
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (in the loss's dtype)."""
+        """The loss to call ``backward`` on.
+
+        Args:
+            loss: the unscaled loss.
+
+        Returns:
+            ``loss * scale`` in the loss's dtype (the scale stays on the device: no sync).
+        """
         return loss * self._scale.to(loss.dtype)
 
     def step(self, optimizer: FlatOptimizer) -> None:
-        """Unscale, check for inf/NaN and update, all inside the optimizer's step."""
+        """Unscale, check for inf/NaN and update, all inside the optimizer's step (a step
+        whose gradients overflowed changes nothing).
+
+        Args:
+            optimizer: the flat-buffer optimizer whose gradients were scaled by :meth:`scale`.
+        """
         optimizer.step(inv_scale=self._scale.reciprocal())
         self._found_inf = optimizer.found_inf
 
@@ -81,6 +93,7 @@ class LossScaler:
         return self._scale
 
     def state_dict(self) -> dict:
+        """The scale, the growth tracker and the growth settings, for checkpoints."""
         return {
             "scale": self._scale.clone(),
             "growth_tracker": self._growth_tracker.clone(),
@@ -90,6 +103,7 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self._scale.copy_(state["scale"])
         self._growth_tracker.copy_(state["growth_tracker"])
         self.growth_factor = state["growth_factor"]
