@@ -86,7 +86,9 @@ class _ChunkGradients:
         vocab = weight.shape[0]
         weight_dtype = torch.float32 if fp32_weight_grad else weight.dtype
         self.hidden = torch.empty_like(hidden) if needs[0] else None
-        self.weight = torch.empty(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
+        # the first chunk writes the weight gradient whole; with no tokens there is none
+        alloc = torch.empty if hidden.shape[0] else torch.zeros
+        self.weight = alloc(weight.shape, dtype=weight_dtype, device=weight.device) if needs[1] else None
         self.bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if needs[2] else None
 
     def add(self, rows: slice, grad_logits: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:

@@ -119,6 +119,21 @@ def test_backward_scales_by_grad_output_and_refuses_a_second_pass(device):
         torch.autograd.grad(loss, hidden)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_no_tokens_give_zero_parameter_gradients(device, reduction):
+    """With no tokens no chunk runs: the weight and bias gradients are zeros, not the
+    uninitialised buffer the first chunk would have overwritten."""
+    hidden = torch.randn(0, 8, device=device, requires_grad=True)
+    weight = torch.randn(11, 8, device=device, requires_grad=True)
+    bias = torch.randn(11, device=device, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.long, device=device)
+    loss = linear_cross_entropy(hidden, weight, target, bias, reduction=reduction)
+    loss.sum().backward()
+    assert hidden.grad.shape == (0, 8)
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+    assert torch.equal(bias.grad, torch.zeros_like(bias))
+
+
 def test_no_gradient_needed(device):
     hidden = torch.randn(5, 8, device=device)
     weight = torch.randn(9, 8, device=device)
