@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.layout import as_rows
 
 __all__ = [
     "AttentionSoftmaxFunction",
@@ -231,9 +232,7 @@ def attention_softmax_bwd(
     """Launch the backward kernel: returns scale * y * (dy - sum(dy * y)), contiguous,
     in ``out_dtype`` (default y's dtype)."""
     batch, heads, q_len, k_len = y.shape
-    dy2d = dy.reshape(-1, k_len)
-    if dy2d.stride(-1) != 1:
-        dy2d = dy2d.contiguous()
+    dy2d = as_rows(dy, k_len)
     dx = torch.empty(y.shape, dtype=out_dtype or y.dtype, device=y.device)
     rows = batch * heads * q_len
     if rows == 0 or k_len == 0:

@@ -145,29 +145,30 @@ def bias_act_dropout_bwd(
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
+    if bias_grad:
+        grads.append(torch.empty(cols, dtype=bias.dtype, device=x.device))
+    if cols == 0:
+        return grads
     plan = elementwise_plan(cols)
     col_blocks = triton.cdiv(cols, plan.block_cols)
     sms = _backend.multiprocessor_count(_backend.device_index(x))
     groups = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
     partials = torch.empty((1, groups, cols), dtype=torch.float32, device=x.device) if bias_grad else None
-    if cols:
-        _bias_act_dropout_bwd_kernel[(col_blocks, groups)](
-            x2d, bias, dy2d, dx, partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p,
-            ACT=ACTIVATIONS.index(activation),
-            HAS_BIAS=bias is not None,
-            DROPOUT=dropout,
-            BIAS_GRAD=bias_grad,
-            BLOCK_ROWS=plan.block_rows,
-            BLOCK_COLS=plan.block_cols,
-            NUM_STAGES=plan.num_stages,
-            num_warps=plan.num_warps,
-        )  # fmt: skip
-    if not bias_grad:
-        return [dx]
-    dbias = torch.empty(cols, dtype=bias.dtype, device=x.device)
-    sum_partials(partials, [dbias])
-    return [dx, dbias]
+    _bias_act_dropout_bwd_kernel[(col_blocks, groups)](
+        x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p,
+        ACT=ACTIVATIONS.index(activation),
+        HAS_BIAS=bias is not None,
+        DROPOUT=dropout,
+        BIAS_GRAD=bias_grad,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        NUM_STAGES=plan.num_stages,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    if bias_grad:
+        sum_partials(partials, grads[1:])
+    return grads
 
 
 @torch.library.custom_op("lstrain::bias_act_dropout_fwd", mutates_args=())

@@ -114,6 +114,9 @@ def dropout_bwd(
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if dropout else dy
     if not (dropout or bias_grad):
         return dx, None
+    dbias = torch.empty(cols, dtype=bias_dtype, device=dy.device) if bias_grad else None
+    if cols == 0:
+        return dx, dbias
     plan = plan or elementwise_plan(cols)
     col_blocks = triton.cdiv(cols, plan.block_cols)
     sms = _backend.multiprocessor_count(_backend.device_index(dy))
@@ -128,10 +131,8 @@ def dropout_bwd(
         NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
     )  # fmt: skip
-    if not bias_grad:
-        return dx, None
-    dbias = torch.empty(cols, dtype=bias_dtype, device=dy.device)
-    sum_partials(partials, [dbias])
+    if bias_grad:
+        sum_partials(partials, [dbias])
     return dx, dbias
 
 

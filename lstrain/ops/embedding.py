@@ -521,7 +521,7 @@ def embedding_bwd(
     """dweight if ``weight_grad``, then dpos_weight if ``pos_grad`` (a list of 0 to 2);
     ``counts`` are the token table's from :func:`embedding_fwd` (None: counted here)."""
     dim = dy.shape[-1]
-    dy2d = dy.reshape(-1, dim).contiguous()
+    dy2d = dy.reshape(ids.numel(), dim).contiguous()
     flat = ids.reshape(-1).contiguous()
     seq_len = ids.shape[-1] if ids.dim() else 1
     pos_table = None

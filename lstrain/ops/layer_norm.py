@@ -278,7 +278,7 @@ def layer_norm_fwd(
     rows = x2d.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
-    if rows == 0:
+    if rows == 0 or cols == 0:
         return y, stats
     plan = plan or layer_norm_fwd_plan(cols)
     _layer_norm_fwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
@@ -316,7 +316,13 @@ def layer_norm_bwd(
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
+    if weight_grad:
+        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
+    if bias_grad:
+        grads.append(torch.empty(normalized_shape, dtype=bias_dtype or x.dtype, device=x.device))
+    if cols == 0:
+        return grads
     plan = plan or layer_norm_bwd_plan(cols)
     sms = _backend.multiprocessor_count(_backend.device_index(x))
     programs = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm))
@@ -324,7 +330,7 @@ def layer_norm_bwd(
     alloc = torch.empty if plan.single_tile else torch.zeros
     partials = alloc((outputs, programs, cols), dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(programs,)](
-        x2d, dy2d, dx, weight, stats, partials,
+        x2d, dy2d, grads[0], weight, stats, partials,
         rows, cols, x2d.stride(0), dy2d.stride(0), cols, 1.0 / cols,
         HAS_WEIGHT=weight is not None,
         WEIGHT_GRAD=weight_grad,
@@ -338,14 +344,8 @@ def layer_norm_bwd(
         # (e.g. a single column); an FMA would leave the product's rounding error there.
         enable_fp_fusion=False,
     )  # fmt: skip
-    grads = [dx]
-    if outputs == 0:
-        return grads
-    if weight_grad:
-        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
-    if bias_grad:
-        grads.append(torch.empty(normalized_shape, dtype=bias_dtype or x.dtype, device=x.device))
-    sum_partials(partials, grads[1:])
+    if outputs:
+        sum_partials(partials, grads[1:])
     return grads
 
 

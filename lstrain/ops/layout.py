@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["as_rows"]
 
 
 def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """2-D ``[rows, cols]`` view of ``t``: kernels take any row stride, but need the last
-    dim contiguous, so this copies only when it is not."""
-    rows = t.reshape(-1, cols)
+    """2-D ``[rows, cols]`` view of ``t`` whose rows are its trailing ``cols`` elements:
+    kernels take any row stride, but need the last dim contiguous, so this copies only
+    when it is not. Rows of zero width count the leading elements (``reshape(-1, 0)``
+    cannot)."""
+    rows = t.reshape(t.numel() // cols if cols else math.prod(t.shape[:-1]), cols)
     return rows if rows.stride(-1) == 1 or cols == 1 else rows.contiguous()

@@ -82,6 +82,13 @@ def test_causal_ignores_what_lies_past_the_diagonal(device, dtype):
     assert torch.isfinite(poisoned.grad).all()
 
 
+def test_no_keys(device):
+    scores = torch.randn(2, 1, 3, 0, device=device, requires_grad=True)
+    y = attention_softmax(scores, causal=True)
+    y.sum().backward()
+    assert y.shape == scores.shape and scores.grad.shape == scores.shape
+
+
 def test_nan_in_gives_nan_out(device):
     scores = torch.randn(1, 1, 2, 16, device=device)
     scores[0, 0, 1, 3] = float("nan")

@@ -77,6 +77,20 @@ def test_reproducible_under_manual_seed(device):
     assert torch.equal(a, b) and not torch.equal(b, c)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_rows_of_zero_width(device, p):
+    """A [3, 0] input gives empty outputs and gradients (no launch on zero columns)."""
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    bias = torch.randn(0, device=device, requires_grad=True)
+    residual = torch.randn(3, 0, device=device, requires_grad=True)
+    bias_dropout_residual(x, bias, residual, dropout=p).sum().backward()
+    assert x.grad.shape == (3, 0) and bias.grad.shape == (0,) and residual.grad.shape == (3, 0)
+    x.grad = bias.grad = None
+    y = bias_act_dropout(x, bias, dropout=p)
+    y.sum().backward()
+    assert y.shape == (3, 0) and x.grad.shape == (3, 0) and bias.grad.shape == (0,)
+
+
 def test_eval_mode_and_zero_rate_are_plain_adds(device):
     x, residual = torch.randn(4, 10, device=device), torch.randn(4, 10, device=device)
     bias = torch.randn(10, device=device)

@@ -94,6 +94,15 @@ def test_deterministic_mode_follows_torch(device):
     assert torch.equal(a, expected)
 
 
+def test_zero_width_tables(device):
+    weight = torch.randn(10, 0, device=device, requires_grad=True)
+    pos_weight = torch.randn(5, 0, device=device, requires_grad=True)
+    tokens = torch.tensor([[1, 2, 3]], device=device)
+    y = embedding(tokens, weight, pos_weight=pos_weight, dropout=0.1)
+    y.sum().backward()
+    assert y.shape == (1, 3, 0) and weight.grad.shape == (10, 0) and pos_weight.grad.shape == (5, 0)
+
+
 def test_padding_rows_are_zero_and_get_no_gradient(device):
     tokens = torch.tensor([[0, 5, 0, 2]], device=device)
     weight = torch.randn(6, 4, device=device, requires_grad=True)

@@ -69,6 +69,15 @@ def test_zero_rows(device):
     assert torch.equal(b.grad, torch.zeros(16, device=device))
 
 
+def test_zero_width(device):
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    weight = torch.randn(0, device=device, requires_grad=True)
+    bias = torch.randn(0, device=device, requires_grad=True)
+    y = layer_norm(x, 0, weight, bias)
+    y.sum().backward()
+    assert y.shape == (3, 0) and x.grad.shape == (3, 0) and weight.grad.shape == (0,) and bias.grad.shape == (0,)
+
+
 def test_fp32_weight_with_bf16_input(device):
     x = torch.randn(6, 96, device=device, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(96, device=device, requires_grad=True)
