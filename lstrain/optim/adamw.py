@@ -85,11 +85,14 @@ class FusedAdamW(FlatOptimizer):
 
     The parameters are moved into flat buffers when the optimizer is built (their
     ``.data`` and ``.grad`` become views); the model behaves exactly as before. Use this
-    optimizer's :meth:`zero_grad`, which zeroes the buffers in place.
+    optimizer's :meth:`zero_grad`, which zeroes the buffers in place. Parameters that do
+    not require grad at that point are left out: never moved, never updated (torch's
+    optimizers skip a parameter without a gradient, weight decay included).
 
     Raises:
         ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1),
-            max_grad_norm <= 0, parameters on several devices, or a non-float parameter.
+            max_grad_norm <= 0, parameters on several devices, a non-float parameter, or
+            no parameter that requires grad.
     """
 
     HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")

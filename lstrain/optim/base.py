@@ -74,7 +74,12 @@ class FlatOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: max_grad_norm must be > 0, got {max_grad_norm}")
         self.max_grad_norm = max_grad_norm
         self.found_inf: torch.Tensor | None = None  # of the last step, when it was loss-scaled
-        self.flat = FlatParameters([group["params"] for group in self.param_groups])
+        # Parameters that do not require grad are left where they are and never updated, as
+        # torch's optimizers skip a parameter without a gradient (weight decay included).
+        trainable = [[p for p in group["params"] if p.requires_grad] for group in self.param_groups]
+        if not any(trainable):
+            raise ValueError(f"{name}: no parameter requires grad")
+        self.flat = FlatParameters(trainable)
         device = self.flat.device
         if _backend.backend_for(torch.empty(0, device=device)) == "reference":
             raise ValueError(

@@ -62,11 +62,13 @@ class FusedSGD(FlatOptimizer):
     Constructor arguments as :class:`torch.optim.SGD` (per-group ``lr``, ``momentum``,
     ``dampening``, ``weight_decay``; ``nesterov`` for all groups), plus ``max_grad_norm``
     as in :class:`~lstrain.optim.FusedAdamW`. 16-bit parameters get fp32 master weights;
-    the momentum buffer is fp32.
+    the momentum buffer is fp32. Parameters that do not require grad when it is built are
+    never updated.
 
     Raises:
         ValueError: lr < 0, momentum or dampening outside [0, 1], weight_decay < 0,
-            nesterov without momentum or with dampening, or bad parameters.
+            nesterov without momentum or with dampening, bad parameters, or no parameter
+            that requires grad.
     """
 
     HYPER = ("lr", "momentum", "dampening", "weight_decay")

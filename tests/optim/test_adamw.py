@@ -165,6 +165,28 @@ def test_bad_hyperparameters_are_errors(kwargs, match):
         FusedAdamW(params, **kwargs)
 
 
+def test_frozen_parameters_are_never_updated():
+    """A parameter that does not require grad is skipped, as torch skips a parameter
+    without a gradient: weight decay must not shrink it."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2)).to(DEVICE)
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    reference = copy.deepcopy(model)
+    ours = FusedAdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    x = torch.randn(3, 6, device=DEVICE)
+    for _ in range(3):
+        for m, optimizer in ((model, ours), (reference, theirs)):
+            optimizer.zero_grad()
+            m(x).square().sum().backward()
+            optimizer.step()
+    assert torch.equal(model[0].weight, frozen)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    with pytest.raises(ValueError, match="no parameter requires grad"):
+        FusedAdamW([model[0].weight])
+
+
 def test_bad_parameters_are_errors():
     p = torch.nn.Parameter(torch.randn(3, device=DEVICE))
     with pytest.raises(ValueError, match="several devices"):
