@@ -87,7 +87,10 @@ class FusedAdamW(FlatOptimizer):
     ``.data`` and ``.grad`` become views); the model behaves exactly as before. Use this
     optimizer's :meth:`zero_grad`, which zeroes the buffers in place. Parameters that do
     not require grad at that point are left out: never moved, never updated (torch's
-    optimizers skip a parameter without a gradient, weight decay included).
+    optimizers skip a parameter without a gradient, weight decay included). A trainable
+    parameter that gets no gradient in some step takes that step with a zero gradient
+    (weight decay and the moments' decay apply), as torch's optimizers do after
+    ``zero_grad(set_to_none=False)``: a flat buffer cannot tell "no gradient" from zero.
 
     Raises:
         ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1),
