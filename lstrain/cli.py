@@ -109,13 +109,24 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _examples(text: str) -> int:
+    """``--examples``: a whole number of at least 1 (hypothesis draws at least one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lstrain`` console script."""
     parser = argparse.ArgumentParser(prog="lstrain", description="Fused Triton kernels for Transformer training.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="property-check every fused op against PyTorch on this device")
     check.add_argument("ops", nargs="*", help="ops to check (default: all)")
-    check.add_argument("--examples", type=int, default=int(os.environ.get("LSTRAIN_CHECK_EXAMPLES", 40)),
+    check.add_argument("--examples", type=_examples, default=os.environ.get("LSTRAIN_CHECK_EXAMPLES", "40"),
                        help="hypothesis examples per op and dtype (default 40)")  # fmt: skip
     check.add_argument("--random", action="store_true", help="draw new examples (default: the same ones every run)")
     check.add_argument("--cpu", action="store_true", help="check the CPU interpreter path even if a GPU is present")

@@ -28,6 +28,13 @@ def test_unknown_op_is_an_error(capsys):
     assert "unknown op(s) nope" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("examples", ["0", "-1", "many"])
+def test_examples_must_be_a_positive_count(capsys, examples):
+    with pytest.raises(SystemExit):
+        cli.main(["check", "layer_norm", "--examples", examples])
+    assert "--examples" in capsys.readouterr().err
+
+
 def test_no_command_is_a_usage_error():
     with pytest.raises(SystemExit):
         cli.main([])
