@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 
 __all__ = [
@@ -295,6 +296,7 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_create_graph("attention_softmax")
         (y,) = ctx.saved_tensors
         bwd = _attention_softmax_bwd_op if torch.compiler.is_compiling() else attention_softmax_bwd
         if not ctx.needs_input_grad[2]:

@@ -15,6 +15,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops.activations import ACTIVATIONS, activation_ref, apply_activation
 from lstrain.ops.dropout import check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
 
@@ -216,6 +217,7 @@ class BiasActDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_create_graph("bias_act_dropout")
         x, bias, seed = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[1]
         bwd = _bwd_op if torch.compiler.is_compiling() else bias_act_dropout_bwd

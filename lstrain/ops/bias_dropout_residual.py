@@ -14,6 +14,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.dropout import ElementwisePlan, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
 
@@ -223,6 +224,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_create_graph("bias_dropout_residual")
         (seed,) = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[1]
         dx, dbias = dropout_backward(dy, seed, ctx.p, ctx.dropout, bias_grad, ctx.bias_dtype)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 
 __all__ = [
@@ -532,6 +533,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_create_graph("cross_entropy")
         if ctx.reduction == "none":
             logits, target, stats = ctx.saved_tensors
             return recompute_gradient(grad_loss, logits, target, stats, ctx.options), None, None, None, None, None, None

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.dropout import ElementwisePlan, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.first_order import refuse_create_graph
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
 
@@ -644,6 +645,7 @@ class EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_create_graph("embedding")
         ids, positions, seed, counts = ctx.saved_tensors
         scale, padding_idx, p, deterministic = ctx.options
         rows, dtype, pos_rows = ctx.tables

@@ -27,6 +27,7 @@ from lstrain.ops.activations import (
     activation_slope_ref,
     apply_activation,
 )
+from lstrain.ops.first_order import refuse_create_graph
 
 __all__ = [
     "GemmFunction",
@@ -261,6 +262,7 @@ class GemmFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dd):
+        refuse_create_graph("gemm")
         a, b, c, bias = ctx.saved_tensors
         alpha, beta, act = ctx.options
         fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
 
@@ -406,6 +407,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_create_graph("layer_norm")
         x, weight, stats = ctx.saved_tensors
         weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         bwd = _layer_norm_bwd_op if torch.compiler.is_compiling() else layer_norm_bwd

@@ -32,6 +32,7 @@ from lstrain.ops.cross_entropy import (
     recompute_gradient,
     rescale_gradient_,
 )
+from lstrain.ops.first_order import refuse_create_graph
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -164,6 +165,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_create_graph("linear_cross_entropy")
         if ctx.reduction == "none":
             return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None, None)
         if ctx.backward_done:

@@ -31,9 +31,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from lstrain import _backend
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.gemm import gemm_plan, kahan_add, mainloop, tile_ids
 
 __all__ = [
@@ -394,8 +394,8 @@ class SwiGLUFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], w_down.shape[1])
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
+        refuse_create_graph("swiglu_mlp")
         if ctx.h_overwritten:
             raise RuntimeError(
                 "swiglu_mlp: backward ran a second time through the same graph; the first overwrote "

@@ -1,0 +1,28 @@
+"""lstrain's backward passes are kernels: differentiable once."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["refuse_create_graph"]
+
+
+def refuse_create_graph(op: str) -> None:
+    """Raise when a backward runs with ``create_graph=True`` (grad mode on), in eager mode.
+
+    The gradients would come out of kernels with no graph behind them, so a second
+    derivative through the op (a gradient penalty, MAML, Hessian-vector products) would
+    silently lose its terms; ``torch.autograd.function.once_differentiable`` does not
+    catch the usual case, where the incoming gradient does not require grad.
+
+    Args:
+        op: the op's name, for the message.
+
+    Raises:
+        RuntimeError: grad mode is on inside the backward.
+    """
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{op}: second derivatives are not supported (backward ran with create_graph=True); "
+            "use the plain PyTorch op where a gradient must be differentiated again"
+        )
