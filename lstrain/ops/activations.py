@@ -64,7 +64,7 @@ def apply_activation(z, ACT: tl.constexpr):
         value = 0.5 * z * (1.0 + t)
         slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
     elif ACT == 2:
-        value = tl.maximum(z, 0.0)
+        value = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) = NaN, as torch's
         slope = tl.where(z > 0.0, 1.0, 0.0)
     elif ACT == 3:  # z sigmoid(z)
         s = tl.sigmoid(z)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.activations import ACTIVATIONS, activation_ref, apply_activation
-from lstrain.ops.dropout import check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.dropout import apply_dropout, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
@@ -56,7 +56,7 @@ def _bias_act_dropout_fwd_kernel(
     if DROPOUT:
         p = tl.cast(p, tl.float32)
         keep = dropout_keep(seed_ptr, row, tl.program_id(1) * BLOCK_COLS, cols, p, BLOCK_COLS)
-        y = tl.where(keep, y / (1.0 - p), 0.0)
+        y = apply_dropout(y, keep, p)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,7 +98,7 @@ def _bias_act_dropout_bwd_kernel(
         offsets = row[:, None] * cols + col[None, :]
         if DROPOUT:
             keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
-            g = tl.where(keep, g / (1.0 - p), 0.0)
+            g = apply_dropout(g, keep, p)
         _, slope = apply_activation(z, ACT)
         g = tl.where(mask, g * slope, 0.0)
         tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -290,5 +290,5 @@ def bias_act_dropout_ref(
     y = activation_ref(activation, z)
     if dropout > 0:
         keep = mask if mask is not None else torch.rand(y.shape, device=y.device) >= dropout
-        y = torch.where(keep, y / (1 - dropout), 0.0)
+        y = y * keep / (1 - dropout)
     return y.to(x.dtype)

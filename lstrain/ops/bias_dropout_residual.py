@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import ElementwisePlan, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.dropout import (
+    ElementwisePlan,
+    apply_dropout,
+    check_dropout_inputs,
+    dropout_keep,
+    elementwise_plan,
+    new_seed,
+)
 from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
@@ -55,7 +62,7 @@ def _bias_dropout_residual_fwd_kernel(
     if DROPOUT:
         p = tl.cast(p, tl.float32)
         keep = dropout_keep(seed_ptr, row, tl.program_id(1) * BLOCK_COLS, cols, p, BLOCK_COLS)
-        v = tl.where(keep, v / (1.0 - p), 0.0)
+        v = apply_dropout(v, keep, p)
     residual = tl.load(residual_ptr + row[:, None] * residual_row_stride + col[None, :], mask=mask, other=0.0)
     y = v + residual.to(tl.float32)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -90,7 +97,7 @@ def _dropout_bwd_kernel(
         if DROPOUT:
             offsets = row[:, None] * cols + col[None, :]
             keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
-            g = tl.where(keep, g / (1.0 - p), 0.0)
+            g = apply_dropout(g, keep, p)
             tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
         if BIAS_GRAD:
             acc += g
@@ -299,5 +306,5 @@ def bias_dropout_residual_ref(
     v = x.to(compute) if bias is None else x.to(compute) + bias.to(compute)
     if dropout > 0:
         keep = mask if mask is not None else torch.rand(v.shape, device=v.device) >= dropout
-        v = torch.where(keep, v / (1 - dropout), 0.0)
+        v = v * keep / (1 - dropout)
     return (v + residual.to(compute)).to(x.dtype)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 __all__ = [
     "ElementwisePlan",
+    "apply_dropout",
     "check_dropout_inputs",
     "dropout_keep",
     "dropout_mask",
@@ -46,6 +47,13 @@ def dropout_keep(seed_ptr, rows, first_col, cols, p, BLOCK_COLS: tl.constexpr):
     r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), counter)
     bits = tl.interleave(tl.interleave(r0, r1), tl.interleave(r2, r3))
     return tl.interleave(bits & 0xFFFF, bits >> 16).to(tl.int32, bitcast=True) >= threshold
+
+
+@triton.jit
+def apply_dropout(v, keep, p):
+    """``v * keep / (1 - p)`` in fp32. A product, not a select: a dropped NaN or inf stays
+    NaN, as in torch's ``x * mask * scale``, instead of hiding as a zero."""
+    return v * tl.where(keep, 1.0 / (1.0 - p), 0.0)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import ElementwisePlan, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops.first_order import refuse_create_graph
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
@@ -101,7 +101,7 @@ def _embedding_fwd_kernel(
     if DROPOUT:
         p = tl.cast(p, tl.float32)
         keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-        v = tl.where(keep, v / (1.0 - p), 0.0)
+        v = apply_dropout(v, keep, p)
     v = tl.where(bad[:, None], float("nan"), v)
     tl.store(y_ptr + offsets, v.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -112,7 +112,7 @@ def _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT: tl.cons
     g = tl.load(dy_ptr + token * dim + col, mask=col_ok, other=0.0).to(tl.float32)
     if DROPOUT:
         keep = dropout_keep(seed_ptr, token + tl.zeros([1], tl.int64), tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-        g = tl.where(tl.reshape(keep, [BLOCK_DIM]), g / (1.0 - p), 0.0)
+        g = apply_dropout(g, tl.reshape(keep, [BLOCK_DIM]), p)
     return g
 
 
@@ -123,7 +123,7 @@ def _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, DROPOUT: tl.const
     g = tl.load(dy_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0).to(tl.float32)
     if DROPOUT:
         keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-        g = tl.where(keep, g / (1.0 - p), 0.0)
+        g = apply_dropout(g, keep, p)
     return g
 
 
@@ -787,5 +787,5 @@ def embedding_ref(
         v = v.masked_fill((tokens == padding_idx)[..., None], 0.0)
     if dropout > 0:
         keep = mask if mask is not None else torch.rand(v.shape, device=v.device) >= dropout
-        v = torch.where(keep, v / (1 - dropout), 0.0)
+        v = v * keep / (1 - dropout)
     return v.to(weight.dtype)

@@ -91,6 +91,21 @@ def test_rows_of_zero_width(device, p):
     assert y.shape == (3, 0) and x.grad.shape == (3, 0) and bias.grad.shape == (0,)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_nan_in_gives_nan_out_even_where_dropped(device, activation):
+    """torch's dropout multiplies by the mask (NaN * 0 = NaN) and relu(NaN) is NaN: a
+    NaN input or upstream gradient must not turn into zeros."""
+    x = torch.full((4, 64), float("nan"), device=device, requires_grad=True)
+    residual = torch.zeros(4, 64, device=device)
+    y = bias_dropout_residual(x, None, residual, dropout=0.5)
+    assert torch.isnan(y).all()
+    y.backward(torch.full_like(y, float("nan")))
+    assert torch.isnan(x.grad).all()
+    x.grad = None
+    y = bias_act_dropout(x, None, activation=activation, dropout=0.5)
+    assert torch.isnan(y).all()
+
+
 def test_eval_mode_and_zero_rate_are_plain_adds(device):
     x, residual = torch.randn(4, 10, device=device), torch.randn(4, 10, device=device)
     bias = torch.randn(10, device=device)

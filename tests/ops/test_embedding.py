@@ -124,6 +124,13 @@ def test_frozen_token_table_gets_only_the_position_gradient(device):
     assert torch.equal(pos_weight.grad, torch.ones(3, 3, device=device))
 
 
+def test_nan_rows_stay_nan_under_dropout(device):
+    weight = torch.randn(10, 64, device=device)
+    weight[3] = float("nan")
+    y = embedding(torch.tensor([[3, 1]], device=device), weight, dropout=0.5)
+    assert torch.isnan(y[0, 0]).all() and not torch.isnan(y[0, 1]).any()
+
+
 def test_unchecked_bad_ids_give_nan_rows(device):
     tokens = torch.tensor([[1, 9, 2]], device=device)
     weight = torch.randn(5, 3, device=device)

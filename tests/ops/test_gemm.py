@@ -45,6 +45,13 @@ def test_matches_torch(case):
     assert_all_passed(result.comparisons, str(case))
 
 
+def test_relu_epilogue_propagates_nan(device):
+    a = torch.ones(16, 8, device=device, dtype=torch.float16)
+    a[3, 2] = float("nan")
+    d = gemm(a, torch.ones(8, 4, device=device, dtype=torch.float16), activation="relu")
+    assert torch.isnan(d[3]).all() and not torch.isnan(d[:3]).any()
+
+
 def test_beta_zero_never_reads_c(device):
     a, b = torch.randn(16, 8, device=device), torch.randn(8, 12, device=device)
     c = torch.full((16, 12), float("nan"), device=device)
