@@ -27,6 +27,7 @@ from lstrain.ops.activations import (
     activation_slope_ref,
     apply_activation,
 )
+from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.first_order import refuse_create_graph
 
 __all__ = [
@@ -290,6 +291,8 @@ def gemm(
 ) -> torch.Tensor:
     """``act(alpha * (a @ b) + beta * c + bias)`` with the epilogue fused into the GEMM.
 
+    Under ``torch.autocast``, a and b are first cast to its dtype, as torch.matmul's are.
+
     Args:
         a: ``[M, K]``, float16/bfloat16/float32 (fp32 products are full fp32, as in
             torch.matmul by default); any strides (a transposed view needs no copy).
@@ -307,6 +310,7 @@ def gemm(
         ValueError: operands not 2-D, inner dims that differ, mixed dtypes or devices, a
             ``c`` or ``bias`` of the wrong shape, or an unknown activation.
     """
+    a, b = autocast_inputs(a, b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm: need a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype not in _SUPPORTED_DTYPES or b.dtype != a.dtype:

@@ -24,6 +24,7 @@ import torch
 import triton
 
 from lstrain import _backend
+from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.cross_entropy import (
     check_loss_options,
     check_target_range,
@@ -252,7 +253,9 @@ def linear_cross_entropy(
     """Cross-entropy of ``hidden @ weight.T + bias`` without materialising the logits.
 
     Same result as ``lstrain.ops.cross_entropy(hidden @ weight.T + bias, target, ...)``;
-    the logits exist one chunk of tokens at a time (``chunk_bytes`` of them).
+    the logits exist one chunk of tokens at a time (``chunk_bytes`` of them). Under
+    ``torch.autocast``, hidden, weight and bias are first cast to its dtype, as a matmul's
+    inputs are.
 
     Args:
         hidden: ``[tokens, D]`` (flatten batch and sequence first), float32/float16/bfloat16.
@@ -276,6 +279,7 @@ def linear_cross_entropy(
         ValueError: mismatched shapes, dtypes or devices, or a bad option (see
             :func:`lstrain.ops.cross_entropy`).
     """
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss)
     check = check_targets if check_targets is not None else not hidden.is_cuda
     if check and not torch.compiler.is_compiling():

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.gemm import gemm_plan, kahan_add, mainloop, tile_ids
 
@@ -456,6 +457,9 @@ def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """``(silu(x @ W_gate) * (x @ W_up)) @ w_down`` with SwiGLU fused into GEMM epilogues.
 
+    Under ``torch.autocast``, x and the weights are first cast to its dtype, as a
+    matmul's inputs are.
+
     Args:
         x: ``[*, D]``, float16/bfloat16/float32.
         w_gate_up: ``[D, 2F]`` in the pair layout (see :func:`pack_gate_up`), x's dtype.
@@ -470,6 +474,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
             wrote the gradient over the saved activations, so ``retain_graph=True`` and
             double backward are not supported.
     """
+    x, w_gate_up, w_down = autocast_inputs(x, w_gate_up, w_down)
     if x.dtype not in _SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(
             f"swiglu_mlp: x, w_gate_up and w_down must share a float dtype, got {x.dtype}, {w_gate_up.dtype}, "

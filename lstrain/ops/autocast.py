@@ -1,0 +1,30 @@
+"""``torch.autocast`` for lstrain's matrix-product ops (gemm, SwiGLU MLP, linear + CE).
+
+Inside an autocast region torch runs a matmul in the region's dtype, whatever its inputs'
+dtypes (fp32 parameters included); these ops do the same, by casting their floating-point
+inputs first. The casts are differentiable, so gradients reach fp32 parameters in fp32.
+The other ops compute in fp32 inside their kernels and run in their inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["autocast_inputs"]
+
+
+def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors, cast to autocast's dtype when autocast is on for their device.
+
+    Args:
+        *tensors: an op's inputs on one device; None and non-float tensors pass through.
+
+    Returns:
+        The same tensors, floating-point ones in ``torch.get_autocast_dtype(device)`` when
+        ``torch.is_autocast_enabled(device)``, else unchanged.
+    """
+    device_type = next(t.device.type for t in tensors if t is not None)
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)

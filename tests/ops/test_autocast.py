@@ -1,0 +1,66 @@
+"""Under torch.autocast the matrix-product ops run in autocast's dtype, as torch.matmul
+does, and gradients reach fp32 parameters (fp16 autocast on the CPU: the interpreter's
+bf16 dot is wrong; the GPU runs the same code with its own autocast)."""
+
+import pytest
+import torch
+
+from lstrain import nn as lnn
+from lstrain import ops
+from tests.conftest import DEVICE
+
+AUTOCAST_DTYPE = torch.float16
+
+
+def _autocast():
+    return torch.autocast(DEVICE, dtype=AUTOCAST_DTYPE)
+
+
+def test_gemm_runs_in_the_autocast_dtype():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=gen).to(DEVICE)
+    b = torch.randn(16, 4, generator=gen).to(DEVICE).requires_grad_()
+    with _autocast():
+        d = ops.gemm(a, b, activation="gelu")
+    assert d.dtype == AUTOCAST_DTYPE
+    torch.testing.assert_close(d, ops.gemm(a.to(AUTOCAST_DTYPE), b.detach().to(AUTOCAST_DTYPE), activation="gelu"))
+    d.float().sum().backward()
+    assert b.grad.dtype == torch.float32
+
+
+def test_swiglu_module_with_fp32_parameters():
+    torch.manual_seed(0)
+    mlp = lnn.SwiGLUMLP(16, 24).to(DEVICE)
+    x = torch.randn(5, 16, device=DEVICE)
+    with _autocast():
+        y = mlp(x)
+    assert y.dtype == AUTOCAST_DTYPE
+    expected = ops.swiglu_mlp(
+        x.to(AUTOCAST_DTYPE), mlp.gate_up_weight.t().to(AUTOCAST_DTYPE), mlp.down_weight.t().to(AUTOCAST_DTYPE)
+    )
+    torch.testing.assert_close(y, expected)
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mlp.parameters())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_with_fp32_weight(bias):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 8, generator=gen).to(DEVICE)
+    weight = torch.randn(11, 8, generator=gen).to(DEVICE).requires_grad_()
+    b = torch.randn(11, generator=gen).to(DEVICE).requires_grad_() if bias else None
+    target = torch.randint(0, 11, (6,), generator=gen).to(DEVICE)
+    with _autocast():
+        loss = ops.linear_cross_entropy(hidden, weight, target, b)
+    expected = ops.linear_cross_entropy(
+        hidden.to(AUTOCAST_DTYPE), weight.detach().to(AUTOCAST_DTYPE), target,
+        None if b is None else b.detach().to(AUTOCAST_DTYPE),
+    )  # fmt: skip
+    torch.testing.assert_close(loss, expected)
+    loss.float().backward()
+    assert weight.grad.dtype == torch.float32
+
+
+def test_outside_autocast_nothing_is_cast():
+    a = torch.randn(4, 4, device=DEVICE)
+    assert ops.gemm(a, a).dtype == torch.float32
