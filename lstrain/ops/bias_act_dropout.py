@@ -14,7 +14,14 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.activations import ACTIVATIONS, activation_ref, apply_activation
-from lstrain.ops.dropout import apply_dropout, check_dropout_inputs, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops.dropout import (
+    apply_dropout,
+    check_dropout_inputs,
+    column_walkers,
+    dropout_keep,
+    elementwise_plan,
+    new_seed,
+)
 from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import as_rows
 from lstrain.ops.partial_sums import sum_partials
@@ -152,9 +159,7 @@ def bias_act_dropout_bwd(
     if cols == 0:
         return grads
     plan = elementwise_plan(cols)
-    col_blocks = triton.cdiv(cols, plan.block_cols)
-    sms = _backend.multiprocessor_count(_backend.device_index(x))
-    groups = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    col_blocks, groups = column_walkers(rows, cols, plan, _backend.device_index(x))
     partials = torch.empty((1, groups, cols), dtype=torch.float32, device=x.device) if bias_grad else None
     _bias_act_dropout_bwd_kernel[(col_blocks, groups)](
         x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p,

@@ -17,6 +17,7 @@ from lstrain.ops.dropout import (
     ElementwisePlan,
     apply_dropout,
     check_dropout_inputs,
+    column_walkers,
     dropout_keep,
     elementwise_plan,
     new_seed,
@@ -126,9 +127,7 @@ def dropout_bwd(
     if cols == 0:
         return dx, dbias
     plan = plan or elementwise_plan(cols)
-    col_blocks = triton.cdiv(cols, plan.block_cols)
-    sms = _backend.multiprocessor_count(_backend.device_index(dy))
-    groups = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    col_blocks, groups = column_walkers(rows, cols, plan, _backend.device_index(dy))
     partials = torch.empty((1, groups, cols), dtype=torch.float32, device=dy.device) if bias_grad else None
     _dropout_bwd_kernel[(col_blocks, groups)](
         dy2d, dx, partials, seed, rows, cols, dy2d.stride(0), p,

@@ -16,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from lstrain import _backend
+
 __all__ = [
     "ElementwisePlan",
     "apply_dropout",
     "check_dropout_inputs",
+    "column_walkers",
     "dropout_keep",
     "dropout_mask",
     "elementwise_plan",
@@ -120,6 +123,15 @@ def elementwise_plan(cols: int) -> ElementwisePlan:
     tiles, 4 warps (32 values per thread), at most 1024 columns wide."""
     block_cols = max(8, min(1024, triton.next_power_of_2(cols)))  # dropout_keep's minimum
     return ElementwisePlan(max(1, 4096 // block_cols), block_cols, num_warps=4)
+
+
+def column_walkers(rows: int, cols: int, plan: ElementwisePlan, device_index: int) -> tuple[int, int]:
+    """Backward grid ``(column blocks, walkers per column block)``: about
+    ``programs_per_sm`` walkers per SM in all, at least one per column block, never more
+    than there are row tiles."""
+    col_blocks = triton.cdiv(cols, plan.block_cols)
+    sms = _backend.multiprocessor_count(device_index)
+    return col_blocks, max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
 
 
 def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: float) -> None:

@@ -215,7 +215,9 @@ def _scatter_kernel(
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
 ):
-    """Phases 1 and 2 of the atomic backward (see :func:`_scatter_phase`)."""
+    """Phases 1 and 2 of the atomic backward (see :func:`_scatter_phase`). A kernel of its
+    own rather than a role of :func:`_first_pass_kernel`: its launches take 13 arguments
+    instead of 18, and a Triton launch's host time grows with its arguments."""
     _scatter_phase(
         dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, seed_ptr, tl.program_id(0), tokens, dim, rows,
         padding_idx, scale, p, PHASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
