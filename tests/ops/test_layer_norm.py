@@ -40,6 +40,7 @@ def _case(shape, normalized_shape=None, dtype=torch.float32, weight=True, bias=T
 @example(case=_case((2, MAX_TILE_COLS_FWD + 3), dtype=torch.bfloat16, mean=3.0))  # chunked forward and backward
 @example(case=_case((3, MAX_TILE_COLS_BWD + 1), weight=False))  # single-tile forward, chunked backward
 @example(case=_case((5, 64), weight=False, bias=False, mean=3.0))
+@example(case=_case((3, 3, 1564, 3), weight=False, bias=False, seed=2))  # a row's spread << its mean
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}

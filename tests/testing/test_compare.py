@@ -14,6 +14,28 @@ def test_rule_allows_twice_torchs_error_plus_atol():
     assert "2 x torch's own" in outside.message() and "FAILS" in outside.message()
 
 
+def test_torchs_own_error_is_the_worst_of_its_samples():
+    precise = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    other = torch.tensor([5.0, 6.0], dtype=torch.float64)
+    samples = [(other, other + torch.tensor([0.0, 0.03], dtype=torch.float64))]
+    lucky = compare_to_reference("y", precise + 0.05, precise, precise, atol=0.0)
+    fair = compare_to_reference("y", precise + 0.05, precise, precise, atol=0.0, torch_samples=samples)
+    assert not lucky.passed
+    assert fair.passed and fair.torch_error == pytest.approx(0.03)
+
+
+def test_check_function_takes_torchs_error_over_several_upstream_gradients():
+    x = {"x": torch.randn(50, 3, generator=torch.Generator().manual_seed(0))}
+
+    def summed(x):
+        return x.sum(0)
+
+    one = check_function(summed, summed, x, generator=torch.Generator().manual_seed(1), torch_draws=1)
+    three = check_function(summed, summed, x, generator=torch.Generator().manual_seed(1), torch_draws=3)
+    assert [c.error for c in one] == [c.error for c in three]
+    assert all(c.torch_error >= d.torch_error for c, d in zip(three, one, strict=True))
+
+
 def test_atol_scales_with_the_reference_magnitude():
     precise = torch.tensor([100.0], dtype=torch.float64)
     c = compare_to_reference("y", precise + 0.05, precise, precise, atol=1e-3)
