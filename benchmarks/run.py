@@ -7,7 +7,10 @@ For every case and implementation it measures, on one GPU, in one run:
     captured once in a CUDA graph, the graph replayed under ``triton.testing.do_bench``
     (L2 flushed, median) -- kernels only, no Python;
   * time per ordinary call (``y = f(...); y.backward(dy)``, grads reset to None) under do_bench;
-  * host microseconds per ordinary call (perf_counter over 200 calls, no sync inside);
+  * host microseconds per ordinary call, two ways: the median over 200 calls of one
+    call's wall time, each started on an idle GPU (what the call itself costs the CPU),
+    and ANCHORS.md's perf_counter over 200 back-to-back calls, no sync inside (which
+    turns into GPU time once the launch queue fills, i.e. whenever the GPU is the slower);
   * peak memory during one call above the inputs (+MiB), and above the inputs and the
     gradients the call leaves behind (+MiB transient: what ANCHORS.md reports);
   * GB/s on the minimal-bytes model and % of the device copy bandwidth measured here
@@ -65,7 +68,7 @@ def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float
 
 def call_ms_host_us_peak(
     fn, inputs: dict, grad_names: list[str], dy: torch.Tensor
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, float]:
     tensors = _grad_tensors(inputs, grad_names)
 
     def call():
@@ -80,8 +83,16 @@ def call_ms_host_us_peak(
     start = time.perf_counter()
     for _ in range(200):
         call()
-    host_us = (time.perf_counter() - start) / 200 * 1e6
+    host_us_back_to_back = (time.perf_counter() - start) / 200 * 1e6
     torch.cuda.synchronize()
+    single = []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        single.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    host_us = sorted(single)[len(single) // 2] * 1e6
     for t in tensors:
         t.grad = None
     torch.cuda.empty_cache()
@@ -91,7 +102,7 @@ def call_ms_host_us_peak(
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
     grads_mib = sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None) / 2**20
-    return ms, host_us, peak_mib, peak_mib - grads_mib
+    return ms, host_us, host_us_back_to_back, peak_mib, peak_mib - grads_mib
 
 
 def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[dict]:
@@ -118,7 +129,7 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
             gpu = None
         else:
             gpu = graph_ms(fn, inputs, case.grad_inputs, dy)
-        call, host, peak, transient = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
+        call, host, host_back_to_back, peak, transient = call_ms_host_us_peak(fn, inputs, case.grad_inputs, dy)
         gbs = case.min_bytes / ((gpu or call) * 1e-3) / 1e9
         rows.append(
             {
@@ -128,6 +139,7 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
                 "gpu_ms": gpu,
                 "call_ms": call,
                 "host_us": host,
+                "host_us_back_to_back": host_back_to_back,
                 "peak_mib": peak,
                 "transient_mib": transient,
                 "gbs": gbs,
@@ -141,8 +153,8 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
         gpu_text = f"{gpu:8.4f} ms" if gpu is not None else "     n/a"
         tflops = f"  {r['tflops']:6.1f} TFLOP/s" if r["tflops"] else ""
         print(
-            f"{case.op:<18} {case.label:<36} {name:<14} gpu {gpu_text}  call {call:8.4f} ms  host {host:7.1f} us  "
-            f"{gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB "
+            f"{case.op:<18} {case.label:<36} {name:<14} gpu {gpu_text}  call {call:8.4f} ms  host {host:7.1f} us "
+            f"({host_back_to_back:7.1f} back to back)  {gbs:7.0f} GB/s ({r['pct_copy_bw']:5.1f}%)  +{peak:8.1f} MiB "
             f"(transient +{transient:8.1f}){tflops}",
             flush=True,
         )
@@ -168,6 +180,7 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
                 "gpu_ms": ms,
                 "call_ms": ms,
                 "host_us": float("nan"),
+                "host_us_back_to_back": float("nan"),
                 "peak_mib": 0.0,
                 "transient_mib": 0.0,
                 "gbs": gbs,
@@ -186,9 +199,9 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | GB/s | % of copy BW | +MiB "
-        "| +MiB transient | TFLOP/s | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | impl | GPU fwd+bwd ms | per call ms | host us/call | host us, back to back | GB/s "
+        "| % of copy BW | +MiB | +MiB transient | TFLOP/s | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = ""
@@ -199,8 +212,8 @@ def markdown(rows: list[dict]) -> str:
         tflops = f"{r['tflops']:.0f}" if r["tflops"] else ""
         lines.append(
             f"| {r['op']} | {r['shape']} | {r['impl']} | {gpu} | {r['call_ms']:.4f} | {r['host_us']:.0f} | "
-            f"{r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | {r['transient_mib']:.1f} | {tflops} "
-            f"| {target} |"
+            f"{r['host_us_back_to_back']:.0f} | {r['gbs']:.0f} | {r['pct_copy_bw']:.1f} | {r['peak_mib']:.1f} | "
+            f"{r['transient_mib']:.1f} | {tflops} | {target} |"
         )
     return "\n".join(lines)
 
