@@ -24,7 +24,7 @@ def test_torchs_own_error_is_the_worst_of_its_samples():
     assert fair.passed and fair.torch_error == pytest.approx(0.03)
 
 
-def test_check_function_takes_torchs_error_over_several_upstream_gradients():
+def test_check_function_takes_torchs_error_over_perturbed_samples():
     x = {"x": torch.randn(50, 3, generator=torch.Generator().manual_seed(0))}
 
     def summed(x):
