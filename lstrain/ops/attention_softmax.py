@@ -22,7 +22,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows
+from lstrain.ops.layout import as_rows, cdiv
 
 __all__ = [
     "AttentionSoftmaxFunction",
@@ -204,7 +204,7 @@ def attention_softmax_fwd(
         padding = key_padding_mask.view(torch.uint8)
         padding = padding if padding.stride(-1) == 1 else padding.contiguous()
     mask_strides = mask.expand(scores.shape).stride() if mask is not None else (0, 0, 0, 0)
-    _attention_softmax_fwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
+    _attention_softmax_fwd_kernel[(cdiv(rows, plan.block_rows),)](
         scores, y, padding, mask,
         rows, heads, q_len, k_len,
         scores.stride(0), scores.stride(1), scores.stride(2),
@@ -239,7 +239,7 @@ def attention_softmax_bwd(
     if rows == 0 or k_len == 0:
         return dx
     plan = plan or attention_softmax_plan(k_len, backward=True)
-    _attention_softmax_bwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
+    _attention_softmax_bwd_kernel[(cdiv(rows, plan.block_rows),)](
         y, dy2d, dx, rows, q_len, k_len, dy2d.stride(0), scale,
         CAUSAL=causal,
         BLOCK_ROWS=plan.block_rows,

@@ -23,7 +23,7 @@ from lstrain.ops.dropout import (
     new_seed,
 )
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows
+from lstrain.ops.layout import as_rows, cdiv
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
@@ -160,7 +160,7 @@ def bias_dropout_residual_fwd(
     if rows == 0 or cols == 0:
         return y
     plan = elementwise_plan(cols)
-    _bias_dropout_residual_fwd_kernel[(triton.cdiv(rows, plan.block_rows), triton.cdiv(cols, plan.block_cols))](
+    _bias_dropout_residual_fwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
         x2d, bias, residual2d, y, seed, rows, cols, x2d.stride(0), residual2d.stride(0), p,
         HAS_BIAS=bias is not None,
         DROPOUT=dropout,

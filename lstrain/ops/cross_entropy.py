@@ -33,7 +33,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows
+from lstrain.ops.layout import as_rows, cdiv
 
 __all__ = [
     "CrossEntropyFunction",
@@ -420,7 +420,7 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     if elements == 0:
         return
     sms = _backend.multiprocessor_count(_backend.device_index(grad))
-    programs = max(1, min(triton.cdiv(elements, 4096), 4 * sms))
+    programs = max(1, min(cdiv(elements, 4096), 4 * sms))
     _scale_unless_one_kernel[(programs,)](grad, grad_output, elements, BLOCK=4096, num_warps=8)
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops.layout import cdiv
 
 __all__ = [
     "ElementwisePlan",
@@ -100,7 +101,7 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
     if mask.numel():
         cols = shape[-1]
         block_cols = elementwise_plan(cols).block_cols
-        grid = (mask.numel() // cols, triton.cdiv(cols, block_cols))
+        grid = (mask.numel() // cols, cdiv(cols, block_cols))
         _dropout_mask_kernel[grid](seed, mask, cols, p, BLOCK_COLS=block_cols)
     return mask.bool()
 
@@ -129,9 +130,9 @@ def column_walkers(rows: int, cols: int, plan: ElementwisePlan, device_index: in
     """Backward grid ``(column blocks, walkers per column block)``: about
     ``programs_per_sm`` walkers per SM in all, at least one per column block, never more
     than there are row tiles."""
-    col_blocks = triton.cdiv(cols, plan.block_cols)
+    col_blocks = cdiv(cols, plan.block_cols)
     sms = _backend.multiprocessor_count(device_index)
-    return col_blocks, max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    return col_blocks, max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
 
 
 def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: float) -> None:

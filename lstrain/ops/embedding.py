@@ -30,6 +30,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops.first_order import refuse_create_graph
+from lstrain.ops.layout import cdiv
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
 
@@ -424,7 +425,7 @@ def embedding_fwd(
     plan = gather_plan(dim)
     flat_positions = None if positions is None else positions.reshape(-1).contiguous()
     count_ptr, owner_ptr = counts if count else (None, None)
-    _embedding_fwd_kernel[(triton.cdiv(tokens, plan.block_rows), triton.cdiv(dim, plan.block_cols))](
+    _embedding_fwd_kernel[(cdiv(tokens, plan.block_rows), cdiv(dim, plan.block_cols))](
         flat, flat_positions, weight, pos_weight, y, seed, count_ptr, owner_ptr,
         tokens, dim, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0],
         ids.shape[-1], padding_idx, scale, p,
@@ -444,14 +445,14 @@ def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, s
     rows of ``table`` (when given) and the position-table rows (``pos_table`` given)."""
     tokens, dim = dy.shape
     tiles = gather_plan(dim)
-    scatter_programs = triton.cdiv(tokens, tiles.block_rows) if scatter else 0
+    scatter_programs = cdiv(tokens, tiles.block_rows) if scatter else 0
     rows = 0 if table is None else table.shape[0]
-    zero_programs = triton.cdiv(rows, tiles.block_rows)
+    zero_programs = cdiv(rows, tiles.block_rows)
     programs = scatter_programs + zero_programs + (0 if pos_table is None else pos_table.shape[0])
     if programs == 0 or dim == 0:
         return
     count_ptr, owner_ptr = (None, None) if counts is None else counts
-    _first_pass_kernel[(programs, triton.cdiv(dim, tiles.block_cols))](
+    _first_pass_kernel[(programs, cdiv(dim, tiles.block_cols))](
         dy, ids, count_ptr, owner_ptr, sums, table, pos_table, seed,
         tokens, dim, rows, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
         scatter_programs, zero_programs,
@@ -470,7 +471,7 @@ def _table_gradient(dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, d
     if counts is None:
         counts = torch.zeros((2, rows), dtype=torch.int32, device=dy.device)
         if tokens:
-            _count_kernel[(triton.cdiv(tokens, 256),)](ids, *counts, tokens, rows, padding_idx, BLOCK=256)
+            _count_kernel[(cdiv(tokens, 256),)](ids, *counts, tokens, rows, padding_idx, BLOCK=256)
     atomic = not deterministic and tokens > 0
     sums = torch.empty((tokens, dim), dtype=torch.float32, device=dy.device) if atomic else None
     _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, scale, seed, p, scatter=atomic)
@@ -479,7 +480,7 @@ def _table_gradient(dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, d
     if atomic:
         tiles = gather_plan(dim)
         for phase in (1, 2):
-            _scatter_kernel[(triton.cdiv(tokens, tiles.block_rows), triton.cdiv(dim, tiles.block_cols))](
+            _scatter_kernel[(cdiv(tokens, tiles.block_rows), cdiv(dim, tiles.block_cols))](
                 dy, ids, *counts, sums, table, seed, tokens, dim, rows, padding_idx, scale, p,
                 PHASE=phase, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows, BLOCK_DIM=tiles.block_cols,
                 num_warps=tiles.num_warps,
@@ -495,7 +496,7 @@ def _table_gradient(dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, d
     partials = torch.empty((tokens, dim), dtype=torch.float32, device=dy.device)
     plan = elementwise_plan(dim)
     for combine in (False, True):
-        _run_sum_kernel[(tokens, triton.cdiv(dim, plan.block_cols))](
+        _run_sum_kernel[(tokens, cdiv(dim, plan.block_cols))](
             dy, sorted_ids, key_offset, order, run_start, counts[0], partials, table, seed, dim, rows, padding_idx,
             scale, p,
             COMBINE=combine, DROPOUT=seed is not None, CHUNK=_RUN_CHUNK, BLOCK_TOKENS=plan.block_rows,

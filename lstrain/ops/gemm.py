@@ -29,6 +29,7 @@ from lstrain.ops.activations import (
 )
 from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.first_order import refuse_create_graph
+from lstrain.ops.layout import cdiv
 
 __all__ = [
     "GemmFunction",
@@ -209,7 +210,7 @@ def gemm_fwd(
         return d
     plan = plan or gemm_plan(m, n, k, a.element_size())
     has_c = c is not None and beta != 0.0
-    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n),)
+    grid = (cdiv(m, plan.block_m) * cdiv(n, plan.block_n),)
     _gemm_kernel[grid](
         a, b, c if has_c else None, bias, d,
         m, n, k,

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows
+from lstrain.ops.layout import as_rows, cdiv
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
@@ -293,7 +293,7 @@ def layer_norm_fwd(
     if rows == 0 or cols == 0:
         return y, stats
     plan = plan or layer_norm_fwd_plan(cols)
-    _layer_norm_fwd_kernel[(triton.cdiv(rows, plan.block_rows),)](
+    _layer_norm_fwd_kernel[(cdiv(rows, plan.block_rows),)](
         x2d, y, weight, bias, stats,
         rows, cols, x2d.stride(0), cols, 1.0 / cols, eps,
         HAS_WEIGHT=weight is not None,
@@ -337,7 +337,7 @@ def layer_norm_bwd(
         return grads
     plan = plan or layer_norm_bwd_plan(cols)
     sms = _backend.multiprocessor_count(_backend.device_index(x))
-    programs = max(1, min(triton.cdiv(rows, plan.block_rows), sms * plan.programs_per_sm))
+    programs = max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm))
     outputs = len(grads) - 1  # dweight and / or dbias
     alloc = torch.empty if plan.single_tile else torch.zeros
     partials = alloc((outputs, programs, cols), dtype=torch.float32, device=x.device)

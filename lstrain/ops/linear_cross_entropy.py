@@ -21,7 +21,6 @@ backward recomputes each chunk's logits instead.
 from __future__ import annotations
 
 import torch
-import triton
 
 from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
@@ -34,6 +33,7 @@ from lstrain.ops.cross_entropy import (
     rescale_gradient_,
 )
 from lstrain.ops.first_order import refuse_create_graph
+from lstrain.ops.layout import cdiv
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -205,7 +205,7 @@ def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch
     if weight.dtype == torch.float32:
         return False  # the gradient itself is the fp32 sum
     tokens = hidden.shape[0]
-    chunks = triton.cdiv(tokens, chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes))
+    chunks = cdiv(tokens, chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes))
     return 4 * weight.numel() <= chunk_bytes or chunks > MAX_16BIT_SUMS
 
 

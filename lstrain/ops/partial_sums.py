@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lstrain.ops.layout import cdiv
+
 __all__ = ["sum_partials"]
 
 
@@ -54,7 +56,7 @@ def sum_partials(partials: torch.Tensor, outputs: Sequence[torch.Tensor]) -> Non
     rounded to it once). One or two outputs.
     """
     count, programs, cols = partials.shape
-    _column_sum_kernel[(triton.cdiv(cols, 16), count)](
+    _column_sum_kernel[(cdiv(cols, 16), count)](
         partials, outputs[0], outputs[-1], programs, cols,
         BLOCK_ROWS=256, BLOCK_COLS=16, num_warps=4,
     )  # fmt: skip

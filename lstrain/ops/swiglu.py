@@ -36,6 +36,7 @@ from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.gemm import gemm_plan, kahan_add, mainloop, tile_ids
+from lstrain.ops.layout import cdiv
 
 __all__ = [
     "PAIR_BLOCK",
@@ -314,7 +315,7 @@ def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor
     plan = gemm_plan(m, 2 * f, k, x2d.element_size())
     block_f = _block_f(plan)
     for first, units, tail in _launches(f):
-        grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(units, block_f),)
+        grid = (cdiv(m, plan.block_m) * cdiv(units, block_f),)
         _swiglu_fwd_kernel[grid](
             x2d, w_gate_up, a, h, m, f, k, first, units,
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
@@ -347,7 +348,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     block_f = _block_f(plan)
     sms = _backend.multiprocessor_count(_backend.device_index(dy2d))
     for first, units, tail in _launches(f):
-        grid = (min(sms, triton.cdiv(m, plan.block_m) * triton.cdiv(units, 2 * block_f)),)
+        grid = (min(sms, cdiv(m, plan.block_m) * cdiv(units, 2 * block_f)),)
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
