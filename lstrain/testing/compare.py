@@ -158,22 +158,19 @@ def _perturbed(value, generator: torch.Generator | None):
     return (value.detach().double() * (1 + 8 * torch.finfo(value.dtype).eps * noise)).to(value.dtype)
 
 
-def _reference_sample(reference, inputs, grad_inputs, generator) -> dict[str, tuple]:
-    """The reference on perturbed inputs, in fp64 and in their own dtype: per precision
-    ``(output, gradients)`` for one random upstream gradient."""
-    perturbed = {k: _perturbed(v, generator) for k, v in inputs.items()}
-    sample, dy = {}, None
+def _reference_runs(reference, inputs, grad_inputs, dy: torch.Tensor) -> dict[str, tuple]:
+    """``reference`` on fp64 copies of the floating-point inputs ("precise") and on copies
+    in their own dtype ("lowp"): per precision ``(output, gradients for dy)``."""
+    runs = {}
     for label, dtype in (("precise", torch.float64), ("lowp", None)):
-        args = {k: _detached(v, dtype, k in grad_inputs) for k, v in perturbed.items()}
+        args = {k: _detached(v, dtype, k in grad_inputs) for k, v in inputs.items()}
         result = reference(**args)
-        if dy is None:
-            dy = torch.randn(result.shape, generator=generator, dtype=torch.float64).to(result.device)
         grads = ()
         if grad_inputs:
             tensors = [args[k] for k in grad_inputs]
             grads = torch.autograd.grad(result, tensors, dy.to(result.dtype), allow_unused=True)
-        sample[label] = (result.detach(), grads)
-    return sample
+        runs[label] = (result.detach(), grads)
+    return runs
 
 
 def check_function(
@@ -219,29 +216,27 @@ def check_function(
     """
     if grad_inputs is None:
         grad_inputs = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    runs = {}
-    for label, dtype in (("actual", None), ("precise", torch.float64), ("lowp", None)):
-        args = {k: _detached(v, dtype, k in grad_inputs) for k, v in inputs.items()}
-        runs[label] = (args, (fn if label == "actual" else reference)(**args))
-    out = runs["actual"][1]
-    dy = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.device)
-    samples = [_reference_sample(reference, inputs, grad_inputs, generator) for _ in range(1, torch_draws)]
+    actual_args = {k: _detached(v, None, k in grad_inputs) for k, v in inputs.items()}
+    out = fn(**actual_args)
+
+    def upstream():
+        return torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.device)
+
+    dy = upstream()
+    main = _reference_runs(reference, inputs, grad_inputs, dy)
+    samples = []
+    for _ in range(1, torch_draws):
+        perturbed = {k: _perturbed(v, generator) for k, v in inputs.items()}
+        samples.append(_reference_runs(reference, perturbed, grad_inputs, upstream()))
     more = [(sample["precise"][0], sample["lowp"][0]) for sample in samples]
-    results = [compare_to_reference("output", out, runs["precise"][1], runs["lowp"][1], atol=atol, torch_samples=more)]
+    results = [compare_to_reference("output", out, main["precise"][0], main["lowp"][0], atol=atol, torch_samples=more)]
     if not grad_inputs:
         return results
-    grads = {}
-    for label, (args, result) in runs.items():
-        tensors = [args[k] for k in grad_inputs]
-        grads[label] = torch.autograd.grad(result, tensors, dy.to(result.dtype), allow_unused=True)
-
-    def args_of(name):
-        return runs["precise"][0][name]
-
+    got_grads = torch.autograd.grad(out, [actual_args[k] for k in grad_inputs], dy.to(out.dtype), allow_unused=True)
     for i, name in enumerate(grad_inputs):
-        got, precise, lowp = (grads[label][i] for label in ("actual", "precise", "lowp"))
+        got, precise, lowp = got_grads[i], main["precise"][1][i], main["lowp"][1][i]
         if precise is None:  # the reference does not use this input: its gradient is zero
-            precise = lowp = torch.zeros_like(args_of(name))
+            precise = lowp = torch.zeros_like(inputs[name], dtype=torch.float64)
             if got is None:
                 continue
         if got is None:
