@@ -63,11 +63,11 @@ def sweep_cross_entropy(quick: bool) -> None:
         target = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
         grad = torch.empty_like(logits)
         valid = (target >= 0).sum()
-        default = cross_entropy_plan(vocab)
         for write_grad in (True, False):
+            default = cross_entropy_plan(vocab, 2, "loss_and_gradient" if write_grad else "loss")
             results = []
-            for block, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
-                if block // (warps * 32) < 4 or block // (warps * 32) > 32:
+            for block, warps in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32)):
+                if block // (warps * 32) < 4 or block // (warps * 32) > 64:
                     continue
                 plan = CrossEntropyPlan(block, warps)
                 if quick and (block, warps) != (default.block, default.num_warps):

@@ -89,20 +89,28 @@ def _loose_columns(head, lanes, vocab, RUN: tl.constexpr):
 
 
 @triton.jit
+def _exp(x):
+    """exp(x) as exp2(x log2 e): tl.math.exp2 compiles to ex2.approx.ftz, one instruction,
+    where tl.exp's ex2.approx without ftz takes three more per logit to keep results below
+    2**-126 (which become 0 here: far below any gradient's tolerance)."""
+    return tl.math.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _chunk_stats(x, run_max, run_sum):
     """A [LANES, RUN] chunk into each run's max and sum of exp(x - max): the max first,
     then one exponential per logit. Runs start at max = -FLT_MAX, not -inf, so that -inf
     logits (or masked ones) give exp(-inf) = 0 without a special case; a NaN logit makes
     the sum NaN, hence the loss."""
     new_max = tl.maximum(run_max, tl.max(x, axis=1))
-    run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), axis=1)
+    run_sum = run_sum * _exp(run_max - new_max) + tl.sum(_exp(x - new_max[:, None]), axis=1)
     return new_max, run_sum
 
 
 @triton.jit
-def _gradient(x, col, target, row_max, e_scale, on_target, uniform):
-    """(q - p) * scale = exp(x - max) * (scale / sum_exp) - p * scale: one FMA after the exp."""
-    return tl.exp(x.to(tl.float32) - row_max) * e_scale - tl.where(col == target, on_target, uniform)
+def _gradient(x, row_max, e_scale, uniform):
+    """(q - p) * scale off the target column: exp(x - max) * (scale / sum_exp) - (a / V) * scale."""
+    return _exp(x.to(tl.float32) - row_max) * e_scale - uniform
 
 
 @triton.jit
@@ -133,16 +141,19 @@ def _write_gradient(
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
     """
     CHUNK: tl.constexpr = LANES * RUN
-    offs = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]
     q_scale = 1.0 / sum_exp
     if HAS_Z_LOSS:
         q_scale *= 1.0 + 2.0 * z_loss * (row_max + tl.log(sum_exp))
     e_scale = q_scale * scale
     uniform = smoothing / vocab * scale
     on_target = (1.0 - smoothing) * scale + uniform
+    # The target column is written last, over the sweep's value (read now: the sweep may
+    # overwrite the logits in place), so that the sweep needs no per-logit compare.
+    has_target = (target >= 0) & (target < vocab)
+    x_target = tl.load(x_ptr + start + target, mask=has_target, other=0.0)
     col, ok = _loose_columns(head, lanes, vocab, RUN)
     x_loose = tl.load(x_ptr + start + col, mask=ok, other=0.0)
-    g_loose = _gradient(x_loose, col, target, row_max, e_scale, on_target, uniform)
+    g_loose = _gradient(x_loose, row_max, e_scale, uniform)
     tl.store(grad_ptr + grad_start + col, g_loose.to(grad_ptr.dtype.element_ty), mask=ok)
     # Backwards through the body, last chunk first: the chunks the statistics sweep read
     # last are the likeliest to be still in L2. Only the partial chunk is masked (per run,
@@ -153,7 +164,7 @@ def _write_gradient(
     if rem > 0:
         in_row = (tl.arange(0, LANES) < rem)[:, None]
         x_rem = tl.load(x_ptr + body + full * CHUNK, mask=in_row, other=0.0, eviction_policy="evict_first")
-        g_rem = _gradient(x_rem, head + full * CHUNK + offs, target, row_max, e_scale, on_target, uniform)
+        g_rem = _gradient(x_rem, row_max, e_scale, uniform)
         tl.store(
             grad_ptr + grad_body + full * CHUNK, g_rem.to(grad_ptr.dtype.element_ty), mask=in_row,
             eviction_policy="evict_first",
@@ -163,11 +174,15 @@ def _write_gradient(
         for k in range(1, full):
             first = (full - k) * CHUNK
             x_next = tl.load(x_ptr + body + first - CHUNK, eviction_policy="evict_first")
-            g = _gradient(x, head + first + offs, target, row_max, e_scale, on_target, uniform)
+            g = _gradient(x, row_max, e_scale, uniform)
             tl.store(grad_ptr + grad_body + first, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
             x = x_next
-        g = _gradient(x, head + offs, target, row_max, e_scale, on_target, uniform)
+        g = _gradient(x, row_max, e_scale, uniform)
         tl.store(grad_ptr + grad_body, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
+    # The barrier orders every thread's sweep stores before this one to the same address.
+    tl.debug_barrier()
+    g_target = _exp(x_target.to(tl.float32) - row_max) * e_scale - on_target
+    tl.store(grad_ptr + grad_start + target, g_target.to(grad_ptr.dtype.element_ty), mask=has_target)
 
 
 @triton.jit
@@ -229,7 +244,7 @@ def _cross_entropy_fwd_kernel(
     col, ok = _loose_columns(head, lanes, vocab, RUN)
     x_loose = tl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(tl.float32)
     row_max = tl.maximum(tl.max(run_max, axis=0), tl.max(x_loose, axis=0))
-    sum_exp = tl.sum(run_sum * tl.exp(run_max - row_max), axis=0) + tl.sum(tl.exp(x_loose - row_max), axis=0)
+    sum_exp = tl.sum(run_sum * _exp(run_max - row_max), axis=0) + tl.sum(_exp(x_loose - row_max), axis=0)
     log_sum_exp = tl.log(sum_exp)
     x_target = tl.load(logits_ptr + start + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
     # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
@@ -314,18 +329,42 @@ class CrossEntropyPlan:
 
 
 @functools.cache
-def cross_entropy_plan(vocab: int) -> CrossEntropyPlan:
-    """Launch settings for rows of ``vocab`` logits (a pure function).
+def cross_entropy_plan(vocab: int, element_size: int = 2, work: str = "loss_and_gradient") -> CrossEntropyPlan:
+    """Launch settings for rows of ``vocab`` logits of ``element_size`` bytes (a pure function).
 
-    Chunks of 2048 logits, 8 per thread, at most 8 warps: many rows in flight per SM, so
-    that one row's reductions hide behind another's loads. On the H200 (bf16, smoothing,
-    loss and gradient, one launch): 1.26 ms at 16384 x 50257 against 1.29 with 4096-wide
-    chunks, 1.47 with 4 warps and 1.80-2.04 with 16; at 8192 x 128256 1.66 ms against
-    1.73, 1.85 and 1.94-2.37; persistent programs (2 to 8 per SM, walking rows) were no
-    faster anywhere and up to 1.5x slower.
+    Args:
+        work: ``"loss_and_gradient"`` (the forward also writes the gradient, reading each
+            row twice: statistics, then gradient), ``"loss"`` (the forward alone) or
+            ``"gradient"`` (the ``reduction="none"`` backward: one read, one write).
+
+    Returns:
+        The plan, its chunk no wider than the row needs.
+
+    Two sweeps want the second read of a row to come from L2, so few rows may be in flight
+    (programs resident per SM x 132 SMs x row bytes within L2's 50 MB), each with many bytes
+    in flight. Registers set the residency: 8192-logit chunks on 8 warps take 80 registers,
+    3 rows per SM; 32768 on 32 warps, 1 row per SM. On the H200 (bf16, smoothing, kernel
+    alone; seventh session of 2026-11-30, run 3): 0.99 ms at 16384 x 50257 and 0.55 at
+    16384 x 32000 with 8192 / 8 (1.21 and 0.68 with 2048 / 8, 8 rows per SM; 1.30 and 0.85
+    with 1 row per SM), 1.27 ms at 8192 x 128256, 1.52 at 8192 x 151936 and 1.36 at 4096 x
+    256000 with 32768 / 32 (8192 / 8: 1.43, 1.69, 1.52), 0.29 ms at 32768 x 8192 with
+    4096 / 4 (2048 / 8: 0.32; 8192 / 8: 0.38). One sweep streams, and small chunks keep
+    most rows in flight: the loss alone with 4096 / 4 was the fastest plan tried, or within
+    1.3% of it, at every one of those sizes (0.39 ms at 16384 x 50257, 0.16 at 32768 x 8192
+    against 0.18 with 2048 / 8); the backward with 2048 / 8 within 4% of the best.
     """
-    block = min(2048, triton.next_power_of_2(vocab))
-    return CrossEntropyPlan(block, num_warps=max(1, min(8, block // 256)))
+    if work not in ("loss_and_gradient", "loss", "gradient"):
+        raise ValueError(f"work must be 'loss_and_gradient', 'loss' or 'gradient', got {work!r}")
+    if work == "gradient":
+        block, warps = 2048, 8
+    elif work == "loss" or vocab * element_size <= 16384:
+        block, warps = 4096, 4
+    elif vocab * element_size <= 131072:
+        block, warps = 8192, 8
+    else:
+        block, warps = 32768, 32
+    block = min(block, triton.next_power_of_2(vocab))
+    return CrossEntropyPlan(block, num_warps=max(1, min(warps, block // 256)))
 
 
 def _launch_layout(x: torch.Tensor, grad: torch.Tensor | None, plan: CrossEntropyPlan) -> dict:
@@ -369,8 +408,8 @@ def cross_entropy_fwd(
     stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
     if rows == 0:
         return loss, stats
-    plan = plan or cross_entropy_plan(vocab)
     write_grad = grad_scale is not None
+    plan = plan or cross_entropy_plan(vocab, x.element_size(), "loss_and_gradient" if write_grad else "loss")
     _cross_entropy_fwd_kernel[(rows,)](
         x, flat_target, loss, stats, grad_out if write_grad else None, valid_rows,
         rows, vocab, x.stride(0), grad_out.stride(0) if write_grad else 0,
@@ -401,7 +440,7 @@ def cross_entropy_bwd(
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if rows == 0:
         return grad
-    plan = plan or cross_entropy_plan(vocab)
+    plan = plan or cross_entropy_plan(vocab, x.element_size(), "gradient")
     grad_output = grad_output.reshape(-1).contiguous()
     _cross_entropy_bwd_kernel[(rows,)](
         x, target.reshape(-1).contiguous(), stats, grad_output, grad,

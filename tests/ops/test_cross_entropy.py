@@ -182,15 +182,23 @@ def test_bad_input_names_the_argument(device, kwargs, match):
 
 
 def test_launch_plan():
-    assert cross_entropy_plan(50257) == CrossEntropyPlan(2048, 8)
+    assert cross_entropy_plan(50257) == CrossEntropyPlan(8192, 8)
+    assert cross_entropy_plan(128256) == CrossEntropyPlan(32768, 32)
+    assert cross_entropy_plan(50257, element_size=4) == CrossEntropyPlan(32768, 32)
+    assert cross_entropy_plan(8192) == CrossEntropyPlan(4096, 4)
+    assert cross_entropy_plan(50257, work="loss") == CrossEntropyPlan(4096, 4)
+    assert cross_entropy_plan(50257, work="gradient") == CrossEntropyPlan(2048, 8)
     assert cross_entropy_plan(100).block == 128
     for vocab in (1, 2, 1000, 32000, 262144):
-        plan = cross_entropy_plan(vocab)
-        assert 1 <= plan.num_warps <= 8 and plan.block <= 2048
+        for work in ("loss_and_gradient", "loss", "gradient"):
+            plan = cross_entropy_plan(vocab, work=work)
+            assert 1 <= plan.num_warps <= 32 and plan.block <= max(128, 2 * vocab)
+    with pytest.raises(ValueError, match="work"):
+        cross_entropy_plan(1000, work="both")
 
 
 def test_alignment_hint_only_where_it_holds():
-    plan = cross_entropy_plan(4999)
+    plan = CrossEntropyPlan(2048, 8)
     storage = torch.zeros(8 * 5000, dtype=torch.bfloat16)
     logits = storage[: 4 * 4999].view(4, 4999)
     assert _launch_layout(logits, None, plan) == {"ALIGNED": True, "LANES": 256, "RUN": 8}
@@ -203,15 +211,16 @@ def test_alignment_hint_only_where_it_holds():
     ]
 
 
+@pytest.mark.parametrize("vocab", [4999, 20011, 70001])  # each launch plan's chunk width
 @pytest.mark.parametrize("offset", [0, 3])  # rows start 16-byte aligned or not at all
-def test_odd_rows_longer_than_a_chunk(device, offset):
-    """V = 4999 (odd: each row starts at a different alignment, so the loose head and tail
-    vary) over whole chunks, a partial chunk and loose ends; with ``offset`` the logits do
-    not start on a 16-byte boundary at all."""
+def test_odd_rows_longer_than_a_chunk(device, vocab, offset):
+    """Odd V (each row starts at a different alignment, so the loose head and tail vary)
+    over whole chunks, a partial chunk and loose ends; with ``offset`` the logits do not
+    start on a 16-byte boundary at all."""
     gen = torch.Generator(device=device).manual_seed(0)
-    storage = torch.randn(5 * 4999 + offset, device=device, generator=gen).to(torch.float16)
-    logits = storage[offset:].view(5, 4999).requires_grad_()
-    target = torch.tensor([0, 4998, 2048, -100, 17], device=device)
+    storage = torch.randn(5 * vocab + offset, device=device, generator=gen).to(torch.float16)
+    logits = storage[offset:].view(5, vocab).requires_grad_()
+    target = torch.tensor([0, vocab - 1, 2048, -100, 17], device=device)
     for reduction in ("mean", "none"):
         with record_backends() as ran:
             loss = cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction)
