@@ -180,10 +180,15 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     Large problems get the 128 x 256 x 64 tiles, 8 warps and a 4-deep pipeline that suit
     Hopper's tensor cores for 16-bit inputs (on the H200 at 16384 x 4096 x 11008, side by
     side in one process: 723 TFLOP/s, against 630 with 3 stages; BENCHMARKS.md has a later
-    run where it gave 627); fp32 inputs take half-deep K tiles; small problems smaller
-    tiles, so that the grid still fills the GPU.
+    run where it gave 627); small problems smaller tiles, so that the grid still fills the
+    GPU. fp32 inputs take K tiles of 16, the least ``tl.dot`` allows: each tile's products
+    sum in one fp32 chain before joining the accumulator (see :func:`kahan_add`), and 16
+    keeps that chain's error at a 32-lane GEMV's, which is what cuBLAS runs for N = 1 (a
+    simulation of 20000 dot products of K = 216 on the CPU: mean error 0.92e-6 for tiles
+    of 16 and for a 32-lane GEMV, 1.20e-6 for tiles of 32; an H200 test drew an fp32
+    216 x 1 x 216 GEMM whose input gradient was 3.4x torch's error with tiles of 32).
     """
-    block_k = 64 if element_size <= 2 else 32
+    block_k = 64 if element_size <= 2 else 16
     if m >= 2048 and n >= 2048:
         return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=4)
     block_m = min(128, max(16, triton.next_power_of_2(m)))

@@ -13,7 +13,9 @@ CHECK = OP_CHECKS["gemm"]
 LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
 
 
-def _case(mnk=(5, 7, 3), dtype=torch.float32, ta=False, tb=False, c=False, bias=False, alpha=1.0, beta=0.0, act=None):
+def _case(
+    mnk=(5, 7, 3), dtype=torch.float32, ta=False, tb=False, c=False, bias=False, alpha=1.0, beta=0.0, act=None, seed=0
+):
     return {
         "mnk": mnk,
         "dtype": dtype,
@@ -24,7 +26,7 @@ def _case(mnk=(5, 7, 3), dtype=torch.float32, ta=False, tb=False, c=False, bias=
         "alpha": alpha,
         "beta": beta,
         "activation": act,
-        "seed": 0,
+        "seed": seed,
     }
 
 
@@ -35,6 +37,8 @@ def _case(mnk=(5, 7, 3), dtype=torch.float32, ta=False, tb=False, c=False, bias=
 @example(case=_case(mnk=(70, 3, 9), dtype=LOW, bias=True, alpha=-2.0, act="relu"))
 @example(case=_case(mnk=(8, 40, 8), c=True, beta=1.0, act="gelu_tanh"))
 @example(case=_case(mnk=(1, 43, 431), act="gelu"))  # a long fp32 K chain (4x torch's error before)
+# torch runs a GEMV here: 3.4x its error on the H200 with fp32 K tiles of 32
+@example(case=_case(mnk=(216, 1, 216), act="gelu", seed=216))
 @example(
     case=_case(mnk=(98, 98, 98), dtype=torch.float16, ta=True, tb=True, c=True, bias=True, beta=0.3, act="relu")
     | {"seed": 795}
@@ -73,7 +77,7 @@ def test_launch_plan():
     assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (128, 256, 64, 8)
     small = gemm_plan(5, 7, 3, 4)
     assert small.block_m == 16 and small.block_n == 16 and small.block_k == 16
-    assert gemm_plan(4096, 4096, 4096, 4).block_k == 32
+    assert gemm_plan(4096, 4096, 4096, 4).block_k == 16
 
 
 @pytest.mark.parametrize(
