@@ -333,12 +333,17 @@ def cross_entropy_plan(vocab: int, element_size: int = 2, work: str = "loss_and_
     """Launch settings for rows of ``vocab`` logits of ``element_size`` bytes (a pure function).
 
     Args:
+        vocab: logits per row.
+        element_size: bytes per logit (2 for bf16 / fp16, 4 for fp32).
         work: ``"loss_and_gradient"`` (the forward also writes the gradient, reading each
             row twice: statistics, then gradient), ``"loss"`` (the forward alone) or
             ``"gradient"`` (the ``reduction="none"`` backward: one read, one write).
 
     Returns:
         The plan, its chunk no wider than the row needs.
+
+    Raises:
+        ValueError: ``work`` is none of the three.
 
     Two sweeps want the second read of a row to come from L2, so few rows may be in flight
     (programs resident per SM x 132 SMs x row bytes within L2's 50 MB), each with many bytes
