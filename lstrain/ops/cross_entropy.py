@@ -329,7 +329,9 @@ class CrossEntropyPlan:
 
 
 @functools.cache
-def cross_entropy_plan(vocab: int, element_size: int = 2, work: str = "loss_and_gradient") -> CrossEntropyPlan:
+def cross_entropy_plan(
+    vocab: int, element_size: int = 2, work: str = "loss_and_gradient", aligned: bool = True
+) -> CrossEntropyPlan:
     """Launch settings for rows of ``vocab`` logits of ``element_size`` bytes (a pure function).
 
     Args:
@@ -338,6 +340,11 @@ def cross_entropy_plan(vocab: int, element_size: int = 2, work: str = "loss_and_
         work: ``"loss_and_gradient"`` (the forward also writes the gradient, reading each
             row twice: statistics, then gradient), ``"loss"`` (the forward alone) or
             ``"gradient"`` (the ``reduction="none"`` backward: one read, one write).
+        aligned: whether the rows are 16-byte aligned (logits and gradient start on 16-byte
+            boundaries and their rows line up). Unaligned rows lose their 16-byte accesses
+            and take 2048-logit chunks on 8 warps whatever the work: wider chunks then cost
+            registers (ptxas, Triton 3.6, fp16: 99 registers at 2048 / 8; 8192 / 8 255 and
+            spills; 32768 / 32 spills 8 KB per thread).
 
     Returns:
         The plan, its chunk no wider than the row needs.
@@ -348,7 +355,9 @@ def cross_entropy_plan(vocab: int, element_size: int = 2, work: str = "loss_and_
     Two sweeps want the second read of a row to come from L2, so few rows may be in flight
     (programs resident per SM x 132 SMs x row bytes within L2's 50 MB), each with many bytes
     in flight. Registers set the residency: 8192-logit chunks on 8 warps take 80 registers,
-    3 rows per SM; 32768 on 32 warps, 1 row per SM. On the H200 (bf16, smoothing, kernel
+    3 rows per SM; 32768 on 32 warps, 1 row per SM. The chunks are sized in bytes (8, 16 or
+    64 KB), so that fp32 logits keep those registers: 32768 fp32 logits on 32 warps would
+    spill 520 B per thread (ptxas, Triton 3.6), 16384 spill none. On the H200 (bf16, smoothing, kernel
     alone; seventh session of 2026-11-30, run 3): 0.99 ms at 16384 x 50257 and 0.55 at
     16384 x 32000 with 8192 / 8 (1.21 and 0.68 with 2048 / 8, 8 rows per SM; 1.30 and 0.85
     with 1 row per SM), 1.27 ms at 8192 x 128256, 1.52 at 8192 x 151936 and 1.36 at 4096 x
@@ -360,26 +369,31 @@ def cross_entropy_plan(vocab: int, element_size: int = 2, work: str = "loss_and_
     """
     if work not in ("loss_and_gradient", "loss", "gradient"):
         raise ValueError(f"work must be 'loss_and_gradient', 'loss' or 'gradient', got {work!r}")
-    if work == "gradient":
+    if work == "gradient" or not aligned:
         block, warps = 2048, 8
-    elif work == "loss" or vocab * element_size <= 16384:
+    elif work == "loss":
         block, warps = 4096, 4
-    elif vocab * element_size <= 131072:
-        block, warps = 8192, 8
-    else:
-        block, warps = 32768, 32
+    else:  # sized in bytes: fp32 chunks hold half the logits, and so keep bf16's registers
+        row_bytes = vocab * element_size
+        chunk_bytes, warps = (8192, 4) if row_bytes <= 16384 else (16384, 8) if row_bytes <= 131072 else (65536, 32)
+        block = chunk_bytes // element_size
     block = min(block, triton.next_power_of_2(vocab))
     return CrossEntropyPlan(block, num_warps=max(1, min(warps, block // 256)))
 
 
-def _launch_layout(x: torch.Tensor, grad: torch.Tensor | None, plan: CrossEntropyPlan) -> dict:
-    """The kernels' layout constexprs: 16-byte runs, and whether rows may be hinted aligned
-    (both tensors start on a 16-byte boundary and their rows line up modulo a run)."""
+def _rows_aligned(x: torch.Tensor, grad: torch.Tensor | None) -> bool:
+    """Whether rows may be hinted aligned: both tensors start on a 16-byte boundary and
+    their rows line up modulo a 16-byte run."""
     run = 16 // x.element_size()
-    aligned = x.data_ptr() % 16 == 0 and (
+    return x.data_ptr() % 16 == 0 and (
         grad is None or (grad.data_ptr() % 16 == 0 and (x.stride(0) - grad.stride(0)) % run == 0)
     )
-    return {"ALIGNED": aligned, "LANES": max(1, plan.block // run), "RUN": run}
+
+
+def _launch_layout(x: torch.Tensor, grad: torch.Tensor | None, plan: CrossEntropyPlan) -> dict:
+    """The kernels' layout constexprs: 16-byte runs, and whether rows may be hinted aligned."""
+    run = 16 // x.element_size()
+    return {"ALIGNED": _rows_aligned(x, grad), "LANES": max(1, plan.block // run), "RUN": run}
 
 
 def cross_entropy_fwd(
@@ -414,7 +428,8 @@ def cross_entropy_fwd(
     if rows == 0:
         return loss, stats
     write_grad = grad_scale is not None
-    plan = plan or cross_entropy_plan(vocab, x.element_size(), "loss_and_gradient" if write_grad else "loss")
+    aligned = _rows_aligned(x, grad_out if write_grad else None)
+    plan = plan or cross_entropy_plan(vocab, x.element_size(), "loss_and_gradient" if write_grad else "loss", aligned)
     _cross_entropy_fwd_kernel[(rows,)](
         x, flat_target, loss, stats, grad_out if write_grad else None, valid_rows,
         rows, vocab, x.stride(0), grad_out.stride(0) if write_grad else 0,
@@ -445,7 +460,7 @@ def cross_entropy_bwd(
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if rows == 0:
         return grad
-    plan = plan or cross_entropy_plan(vocab, x.element_size(), "gradient")
+    plan = plan or cross_entropy_plan(vocab, x.element_size(), "gradient", _rows_aligned(x, grad))
     grad_output = grad_output.reshape(-1).contiguous()
     _cross_entropy_bwd_kernel[(rows,)](
         x, target.reshape(-1).contiguous(), stats, grad_output, grad,

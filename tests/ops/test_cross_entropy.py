@@ -184,7 +184,10 @@ def test_bad_input_names_the_argument(device, kwargs, match):
 def test_launch_plan():
     assert cross_entropy_plan(50257) == CrossEntropyPlan(8192, 8)
     assert cross_entropy_plan(128256) == CrossEntropyPlan(32768, 32)
-    assert cross_entropy_plan(50257, element_size=4) == CrossEntropyPlan(32768, 32)
+    assert cross_entropy_plan(50257, element_size=4) == CrossEntropyPlan(16384, 32)
+    assert cross_entropy_plan(20000, element_size=4) == CrossEntropyPlan(4096, 8)
+    for work in ("loss_and_gradient", "loss", "gradient"):  # unaligned rows: no 16-byte accesses
+        assert cross_entropy_plan(50257, work=work, aligned=False) == CrossEntropyPlan(2048, 8)
     assert cross_entropy_plan(8192) == CrossEntropyPlan(4096, 4)
     assert cross_entropy_plan(50257, work="loss") == CrossEntropyPlan(4096, 4)
     assert cross_entropy_plan(50257, work="gradient") == CrossEntropyPlan(2048, 8)
