@@ -159,9 +159,8 @@ def bias_act_dropout_bwd(
     if cols == 0:
         return grads
     plan = elementwise_plan(cols)
-    col_blocks, groups = column_walkers(rows, cols, plan, _backend.device_index(x))
-    partials = torch.empty((1, groups, cols), dtype=torch.float32, device=x.device) if bias_grad else None
-    _bias_act_dropout_bwd_kernel[(col_blocks, groups)](
+    grid, partials = column_walkers(rows, cols, plan, x, bias_grad)
+    _bias_act_dropout_bwd_kernel[grid](
         x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p,
         ACT=ACTIVATIONS.index(activation),
         HAS_BIAS=bias is not None,

@@ -127,9 +127,8 @@ def dropout_bwd(
     if cols == 0:
         return dx, dbias
     plan = plan or elementwise_plan(cols)
-    col_blocks, groups = column_walkers(rows, cols, plan, _backend.device_index(dy))
-    partials = torch.empty((1, groups, cols), dtype=torch.float32, device=dy.device) if bias_grad else None
-    _dropout_bwd_kernel[(col_blocks, groups)](
+    grid, partials = column_walkers(rows, cols, plan, dy, bias_grad)
+    _dropout_bwd_kernel[grid](
         dy2d, dx, partials, seed, rows, cols, dy2d.stride(0), p,
         DROPOUT=dropout,
         BIAS_GRAD=bias_grad,

@@ -126,13 +126,28 @@ def elementwise_plan(cols: int) -> ElementwisePlan:
     return ElementwisePlan(max(1, 4096 // block_cols), block_cols, num_warps=4)
 
 
-def column_walkers(rows: int, cols: int, plan: ElementwisePlan, device_index: int) -> tuple[int, int]:
-    """Backward grid ``(column blocks, walkers per column block)``: about
-    ``programs_per_sm`` walkers per SM in all, at least one per column block, never more
-    than there are row tiles."""
+def column_walkers(
+    rows: int, cols: int, plan: ElementwisePlan, on: torch.Tensor, bias_grad: bool
+) -> tuple[tuple[int, int], torch.Tensor | None]:
+    """The column-walking backward's grid and its bias-gradient partials.
+
+    Args:
+        rows, cols: the [rows, cols] view the kernel walks.
+        plan: its tiles.
+        on: a tensor on the device it runs on.
+        bias_grad: whether it writes per-walker column sums of the gradient.
+
+    Returns:
+        ``((column blocks, walkers per column block), partials)``: about
+        ``programs_per_sm`` walkers per SM in all, at least one per column block, never more
+        than there are row tiles; partials fp32 [1, walkers, cols] for
+        :func:`lstrain.ops.partial_sums.sum_partials`, or None without ``bias_grad``.
+    """
     col_blocks = cdiv(cols, plan.block_cols)
-    sms = _backend.multiprocessor_count(device_index)
-    return col_blocks, max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    sms = _backend.multiprocessor_count(_backend.device_index(on))
+    walkers = max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // col_blocks))
+    partials = torch.empty((1, walkers, cols), dtype=torch.float32, device=on.device) if bias_grad else None
+    return (col_blocks, walkers), partials
 
 
 def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: float) -> None:
