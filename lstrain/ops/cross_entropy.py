@@ -17,7 +17,9 @@ twice, before and after the rescale: within the tolerance rule, but up to 1.5 ul
 of 0.5.) With ``reduction="none"`` the gradient depends on a per-row grad_output, so backward
 recomputes it from the logits and the saved row max and sum of exponentials.
 
-Rows whose target is ``ignore_index`` give zero loss and zero gradient. A target outside
+Rows whose target is ``ignore_index`` give zero loss and zero gradient and are not read
+(padding costs only its gradient's zeros; unlike torch, a NaN in such a row leaves its
+gradient zero rather than NaN). A target outside
 [0, V) never causes a read outside the row: its loss and gradient are NaN (and, for CPU
 tensors or with ``check_targets=True``, a ValueError names it first).
 """
@@ -134,8 +136,8 @@ def _write_gradient(
     LANES: tl.constexpr,
     RUN: tl.constexpr,
 ):
-    """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is 0 or NaN for
-    ignored or bad rows, which zeroes or poisons them).
+    """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is NaN for a bad
+    target, which poisons the row).
 
     softmax = exp(x - max) / sum_exp: x - max is exact where it matters, whereas
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
@@ -186,6 +188,20 @@ def _write_gradient(
 
 
 @triton.jit
+def _write_zeros(grad_ptr, grad_start, head, lanes, grad_body, vocab, LANES: tl.constexpr, RUN: tl.constexpr):
+    """A zero gradient row (an ignored target's), in the chunks ``_write_gradient`` writes."""
+    CHUNK: tl.constexpr = LANES * RUN
+    col, ok = _loose_columns(head, lanes, vocab, RUN)
+    tl.store(grad_ptr + grad_start + col, tl.zeros([2 * RUN], dtype=grad_ptr.dtype.element_ty), mask=ok)
+    zeros = tl.zeros([LANES, RUN], dtype=grad_ptr.dtype.element_ty)
+    full = lanes // LANES
+    for c in range(0, full):
+        tl.store(grad_ptr + grad_body + c * CHUNK, zeros, eviction_policy="evict_first")
+    in_row = (tl.arange(0, LANES) < lanes - full * LANES)[:, None]
+    tl.store(grad_ptr + grad_body + full * CHUNK, zeros, mask=in_row, eviction_policy="evict_first")
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,
     target_ptr,
@@ -218,55 +234,62 @@ def _cross_entropy_fwd_kernel(
     start, grad_start, head, lanes, body, grad_body = _row_offsets(
         row, logits_row_stride, grad_row_stride, vocab, LANES, RUN, ALIGNED
     )
-    # Statistics per run of RUN logits: no cross-thread reduction until the row is done.
-    run_max = tl.full([LANES], -3.4028234663852886e38, tl.float32)
-    run_sum = tl.zeros([LANES], dtype=tl.float32)
-    run_total = tl.zeros([LANES], dtype=tl.float32)
-    full = lanes // LANES
-    if full > 0:  # whole chunks unmasked, each loaded one iteration ahead of its use
-        x = tl.load(logits_ptr + body)
-        for c in range(1, full):
-            x_next = tl.load(logits_ptr + body + c * CHUNK)
+    if ignored:  # padding, often: its row is not even read, its gradient is zero
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(stats_ptr + row, 0.0)
+        tl.store(stats_ptr + rows + row, 1.0)
+        if WRITE_GRAD:
+            _write_zeros(grad_ptr, grad_start, head, lanes, grad_body, vocab, LANES, RUN)
+    else:
+        # Statistics per run of RUN logits: no cross-thread reduction until the row is done.
+        run_max = tl.full([LANES], -3.4028234663852886e38, tl.float32)
+        run_sum = tl.zeros([LANES], dtype=tl.float32)
+        run_total = tl.zeros([LANES], dtype=tl.float32)
+        full = lanes // LANES
+        if full > 0:  # whole chunks unmasked, each loaded one iteration ahead of its use
+            x = tl.load(logits_ptr + body)
+            for c in range(1, full):
+                x_next = tl.load(logits_ptr + body + c * CHUNK)
+                run_max, run_sum = _chunk_stats(x.to(tl.float32), run_max, run_sum)
+                if HAS_SMOOTHING:
+                    run_total += tl.sum(x.to(tl.float32), axis=1)
+                x = x_next
             run_max, run_sum = _chunk_stats(x.to(tl.float32), run_max, run_sum)
             if HAS_SMOOTHING:
                 run_total += tl.sum(x.to(tl.float32), axis=1)
-            x = x_next
-        run_max, run_sum = _chunk_stats(x.to(tl.float32), run_max, run_sum)
+        rem = lanes - full * LANES
+        if rem > 0:
+            in_row = (tl.arange(0, LANES) < rem)[:, None]
+            x_rem = tl.load(logits_ptr + body + full * CHUNK, mask=in_row, other=-float("inf")).to(tl.float32)
+            run_max, run_sum = _chunk_stats(x_rem, run_max, run_sum)
+            if HAS_SMOOTHING:
+                run_total += tl.sum(tl.where(in_row, x_rem, 0.0), axis=1)
+        col, ok = _loose_columns(head, lanes, vocab, RUN)
+        x_loose = tl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(tl.float32)
+        row_max = tl.maximum(tl.max(run_max, axis=0), tl.max(x_loose, axis=0))
+        sum_exp = tl.sum(run_sum * _exp(run_max - row_max), axis=0) + tl.sum(_exp(x_loose - row_max), axis=0)
+        log_sum_exp = tl.log(sum_exp)
+        x_target = tl.load(logits_ptr + start + target, mask=~bad, other=0.0).to(tl.float32)
+        # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
+        loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
         if HAS_SMOOTHING:
-            run_total += tl.sum(x.to(tl.float32), axis=1)
-    rem = lanes - full * LANES
-    if rem > 0:
-        in_row = (tl.arange(0, LANES) < rem)[:, None]
-        x_rem = tl.load(logits_ptr + body + full * CHUNK, mask=in_row, other=-float("inf")).to(tl.float32)
-        run_max, run_sum = _chunk_stats(x_rem, run_max, run_sum)
-        if HAS_SMOOTHING:
-            run_total += tl.sum(tl.where(in_row, x_rem, 0.0), axis=1)
-    col, ok = _loose_columns(head, lanes, vocab, RUN)
-    x_loose = tl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(tl.float32)
-    row_max = tl.maximum(tl.max(run_max, axis=0), tl.max(x_loose, axis=0))
-    sum_exp = tl.sum(run_sum * _exp(run_max - row_max), axis=0) + tl.sum(_exp(x_loose - row_max), axis=0)
-    log_sum_exp = tl.log(sum_exp)
-    x_target = tl.load(logits_ptr + start + target, mask=~(ignored | bad), other=0.0).to(tl.float32)
-    # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
-    loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
-    if HAS_SMOOTHING:
-        total = tl.sum(run_total, axis=0) + tl.sum(tl.where(ok, x_loose, 0.0), axis=0)
-        loss += smoothing * (row_max - total / vocab)
-    if HAS_Z_LOSS:
-        loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
-    loss = tl.where(ignored, 0.0, tl.where(bad, float("nan"), loss))
-    tl.store(loss_ptr + row, loss)
-    tl.store(stats_ptr + row, row_max)
-    tl.store(stats_ptr + rows + row, sum_exp)
-    if WRITE_GRAD:
-        scale = 1.0
-        if MEAN:
-            scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
-        scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
-        _write_gradient(
-            logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target, row_max, sum_exp,
-            scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN,
-        )  # fmt: skip
+            total = tl.sum(run_total, axis=0) + tl.sum(tl.where(ok, x_loose, 0.0), axis=0)
+            loss += smoothing * (row_max - total / vocab)
+        if HAS_Z_LOSS:
+            loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
+        loss = tl.where(bad, float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+        tl.store(stats_ptr + row, row_max)
+        tl.store(stats_ptr + rows + row, sum_exp)
+        if WRITE_GRAD:
+            scale = 1.0
+            if MEAN:
+                scale = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+            scale = tl.where(bad, float("nan"), scale)
+            _write_gradient(
+                logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target, row_max, sum_exp,
+                scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -293,16 +316,18 @@ def _cross_entropy_bwd_kernel(
     target = tl.load(target_ptr + row).to(tl.int64)
     ignored = target == ignore_index
     bad = ((target < 0) | (target >= vocab)) & ~ignored
-    scale = tl.load(grad_output_ptr + row).to(tl.float32)
-    scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), scale))
     start, grad_start, head, lanes, body, grad_body = _row_offsets(
         row, logits_row_stride, grad_row_stride, vocab, LANES, RUN, ALIGNED
     )
-    _write_gradient(
-        logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target,
-        tl.load(stats_ptr + row), tl.load(stats_ptr + rows + row), scale, tl.cast(smoothing, tl.float32),
-        tl.cast(z_loss, tl.float32), HAS_Z_LOSS, LANES, RUN,
-    )  # fmt: skip
+    if ignored:
+        _write_zeros(grad_ptr, grad_start, head, lanes, grad_body, vocab, LANES, RUN)
+    else:
+        scale = tl.where(bad, float("nan"), tl.load(grad_output_ptr + row).to(tl.float32))
+        _write_gradient(
+            logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target,
+            tl.load(stats_ptr + row), tl.load(stats_ptr + rows + row), scale, tl.cast(smoothing, tl.float32),
+            tl.cast(z_loss, tl.float32), HAS_Z_LOSS, LANES, RUN,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -317,6 +342,31 @@ def _scale_unless_one_kernel(grad_ptr, grad_output_ptr, elements, BLOCK: tl.cons
         ok = idx < elements
         g = tl.load(grad_ptr + idx, mask=ok, other=0.0).to(tl.float32)
         tl.store(grad_ptr + idx, (g * factor).to(grad_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _count_kept_kernel(target_ptr, count_ptr, rows, ignore_index, BLOCK: tl.constexpr):
+    """How many targets are not ignore_index, by one program (the counts are small: one
+    launch instead of torch's comparison and sum)."""
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for first in range(0, rows, BLOCK):
+        idx = first + tl.arange(0, BLOCK)
+        count += (tl.load(target_ptr + idx, mask=idx < rows, other=ignore_index) != ignore_index).to(tl.int32)
+    tl.store(count_ptr, tl.sum(count, axis=0))
+
+
+@triton.jit
+def _reduce_loss_kernel(loss_ptr, count_ptr, out_ptr, rows, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """The sum of the per-row losses (over the count for a mean), cast to the output's dtype,
+    by one program in a fixed order (one launch instead of a sum, a division and a cast)."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for first in range(0, rows, BLOCK):
+        idx = first + tl.arange(0, BLOCK)
+        total += tl.load(loss_ptr + idx, mask=idx < rows, other=0.0)
+    result = tl.sum(total, axis=0)
+    if MEAN:  # no rows kept: 0 / 0 = NaN, as torch
+        result = result / tl.load(count_ptr).to(tl.float32)
+    tl.store(out_ptr, result.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -483,6 +533,29 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     _scale_unless_one_kernel[(programs,)](grad, grad_output, elements, BLOCK=4096, num_warps=8)
 
 
+def count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The number of targets that are not ``ignore_index``, as a 0-d int32 device tensor
+    (no host sync); torch's own ops under torch.compile, which fuses them."""
+    if torch.compiler.is_compiling():
+        return (target != ignore_index).sum()
+    flat = target.reshape(-1).contiguous()
+    count = torch.empty((), dtype=torch.int32, device=target.device)
+    _count_kept_kernel[(1,)](flat, count, flat.numel(), ignore_index, BLOCK=4096, num_warps=8)
+    return count
+
+
+def reduce_loss(loss: torch.Tensor, count: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The 0-d sum of the fp32 per-row ``loss``, divided by ``count`` (mean) unless it is
+    None, in ``dtype``; under torch.compile, torch's own ops, left in fp32 (the caller's
+    cast follows)."""
+    if torch.compiler.is_compiling():
+        total = loss.sum()
+        return total / count if count is not None else total
+    out = torch.empty((), dtype=dtype, device=loss.device)
+    _reduce_loss_kernel[(1,)](loss, count, out, loss.numel(), MEAN=count is not None, BLOCK=4096, num_warps=8)
+    return out
+
+
 @torch.library.custom_op("lstrain::cross_entropy_fwd", mutates_args=())
 def _cross_entropy_fwd_op(
     logits: torch.Tensor,
@@ -571,8 +644,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         options = (label_smoothing, ignore_index, z_loss)
         needs_grad = ctx.needs_input_grad[0]
         grad_scale = reduction if needs_grad and reduction != "none" else None
-        # only a mean needs the count: one reduction kernel fewer per call otherwise
-        valid_rows = (target != ignore_index).sum() if reduction == "mean" else None
+        # only a mean needs the count: one launch fewer per call otherwise
+        valid_rows = count_kept(target, ignore_index) if reduction == "mean" else None
         grad_out = None
         if grad_scale is not None and not torch.compiler.is_compiling():
             in_place = inplace_backward and logits.is_contiguous()
@@ -587,8 +660,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, target, stats)
         if reduction == "none":
             return loss.view(target.shape)
-        total = loss.sum()
-        return total / valid_rows if reduction == "mean" else total
+        return reduce_loss(loss, valid_rows, logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -670,8 +742,9 @@ def cross_entropy(
             last dim needs to be contiguous. Any V (rows are swept in chunks).
         target: class indices, int64 or int32, shaped like ``logits[..., 0]``.
         label_smoothing: a in [0, 1]; the target distribution is (1 - a) onehot + a / V.
-        ignore_index: rows with this target give zero loss and zero gradient; "mean"
-            divides by the number of other rows (NaN if there are none, as torch).
+        ignore_index: rows with this target give zero loss and zero gradient (they are
+            not read: a NaN there does not reach the gradient, as it would in torch);
+            "mean" divides by the number of other rows (NaN if there are none, as torch).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row loss shaped like target).
         z_loss: coefficient of the z-loss term (0 disables it).
         inplace_backward: write the gradient into the logits' storage (saves a
@@ -708,7 +781,7 @@ def cross_entropy(
     loss = CrossEntropyFunction.apply(
         logits, target, float(label_smoothing), int(ignore_index), float(z_loss), reduction, inplace_backward
     )
-    return loss.to(logits.dtype)
+    return loss.to(logits.dtype)  # a reduced loss is in that dtype already, outside torch.compile
 
 
 def cross_entropy_ref(

@@ -151,6 +151,29 @@ def test_minus_inf_logits_are_masked_classes(device):
     assert (g[logits == -float("inf")] == 0).all()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_ignored_rows_are_not_read(device, reduction, inplace):
+    """An ignored row costs only its gradient's zeros: NaN logits there reach neither the
+    loss nor the gradient (torch's gradient would be NaN), on either side of a chunk."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5000, device=device)
+    logits[1] = float("nan")
+    logits[3, 4090:4100] = float("nan")
+    target = torch.tensor([7, -100, 4999, -100], device=device)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x if not inplace else x * 1, target, reduction=reduction, inplace_backward=inplace)
+    clean = logits.clone()
+    clean[[1, 3]] = 0.0
+    expected_x = clean.clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(expected_x, target, reduction=reduction)
+    torch.testing.assert_close(loss, expected)
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    (ge,) = torch.autograd.grad(expected.sum(), expected_x)
+    torch.testing.assert_close(g, ge)
+    assert (g[[1, 3]] == 0).all()
+
+
 def test_nan_in_gives_nan_out(device):
     logits = torch.randn(2, 16, device=device)
     logits[1, 3] = float("nan")
