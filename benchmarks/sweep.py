@@ -118,21 +118,32 @@ def time_dropout_kernels() -> None:
                   f"{graph_us(bwd):8.2f} us")  # fmt: skip
 
 
+def _gemm_plans(quick: bool, default: GemmPlan) -> list[GemmPlan]:
+    """Tile shapes x pipelining depths, and the default tile under other program groupings
+    (which decide how long A's and B's tiles stay in L2); --quick: the depths only."""
+    plans = [
+        GemmPlan(block_m, block_n, 64, 8, num_warps=8, num_stages=stages)
+        for (block_m, block_n), stages in itertools.product(((128, 256), (256, 128)), (3, 4))
+    ]
+    plans += [GemmPlan(128, 256, 64, group_m, num_warps=8, num_stages=4) for group_m in (4, 16)]
+    return [p for p in plans if not quick or (p.block_m, p.block_n, p.group_m) == (default.block_m, default.block_n, 8)]
+
+
 def sweep_gemm(quick: bool) -> None:
-    m, k, n = 16384, 4096, 11008
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * k**-0.5
-    flops = 2 * m * k * n
-    results = []
-    for (block_m, block_n), warps, stages in itertools.product(((128, 256), (256, 128)), (8,), (3, 4)):
-        plan = GemmPlan(block_m, block_n, 64, 8, num_warps=warps, num_stages=stages)
-        if quick and plan.num_stages != gemm_plan(m, n, k, 2).num_stages:
-            continue
-        run = functools.partial(gemm_fwd, a, b, None, None, 1.0, 0.0, -1, torch.bfloat16, plan)
-        results.append((graph_us(run), plan))
-    report(f"gemm {m}x{k}x{n} bf16", results, gemm_plan(m, n, k, 2))
-    cublas = graph_us(lambda: a @ b)
-    print(f"   cuBLAS (torch.matmul): {cublas:8.2f} us = {flops / cublas / 1e6:.1f} TFLOP/s")
+    # N = 11008: the issue's GEMM; N = 22016: the SwiGLU forward's x @ w_gate_up
+    for m, k, n in ((16384, 4096, 11008), (16384, 4096, 22016)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        flops = 2 * m * k * n
+        default = gemm_plan(m, n, k, 2)
+        results = [
+            (graph_us(functools.partial(gemm_fwd, a, b, None, None, 1.0, 0.0, -1, torch.bfloat16, plan)), plan)
+            for plan in _gemm_plans(quick, default)
+        ]
+        report(f"gemm {m}x{k}x{n} bf16", results, default)
+        cublas = graph_us(lambda a=a, b=b: a @ b)
+        print(f"   cuBLAS (torch.matmul): {cublas:8.2f} us = {flops / cublas / 1e6:.1f} TFLOP/s")
+        del a, b
 
 
 def time_swiglu_kernels() -> None:
@@ -155,6 +166,11 @@ def time_swiglu_kernels() -> None:
     for name, flops, fn in timings:
         us = graph_us(fn)
         print(f"   {name:<36} {us:9.1f} us = {flops / us / 1e6:6.1f} TFLOP/s")
+    # The forward kernel under the GEMM plans that keep a 256-wide tile (one pair block).
+    default = gemm_plan(tokens, 2 * hidden, dim, 2)
+    plans = [p for p in _gemm_plans(False, default) if p.block_n == 256]
+    results = [(graph_us(functools.partial(swiglu_fwd, x, w_gate_up, plan)), plan) for plan in plans]
+    report(f"SwiGLU forward {tokens}x{dim}x{2 * hidden} bf16", results, default)
     # The MLP's other four products, cuBLAS beside lstrain's GEMM (no epilogue).
     products = (
         ("y = a @ w_down", a, w_down),

@@ -35,7 +35,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.gemm import gemm_plan, kahan_add, mainloop, tile_ids
+from lstrain.ops.gemm import GemmPlan, gemm_plan, kahan_add, mainloop, tile_ids
 from lstrain.ops.layout import cdiv
 
 __all__ = [
@@ -304,15 +304,18 @@ def _block_f(plan) -> int:
     return min(PAIR_BLOCK, max(16, plan.block_n // 2))
 
 
-def swiglu_fwd(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype."""
+def swiglu_fwd(
+    x2d: torch.Tensor, w_gate_up: torch.Tensor, plan: GemmPlan | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype
+    (``plan``: the GEMM's launch settings, by default ``gemm_plan``'s)."""
     m, k = x2d.shape
     f = w_gate_up.shape[1] // 2
     a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
     h = torch.empty((m, 2 * f), dtype=x2d.dtype, device=x2d.device)
     if m == 0 or f == 0:
         return a, h
-    plan = gemm_plan(m, 2 * f, k, x2d.element_size())
+    plan = plan or gemm_plan(m, 2 * f, k, x2d.element_size())
     block_f = _block_f(plan)
     for first, units, tail in _launches(f):
         grid = (cdiv(m, plan.block_m) * cdiv(units, block_f),)
