@@ -21,7 +21,9 @@ Rows whose target is ``ignore_index`` give zero loss and zero gradient and are n
 (padding costs only its gradient's zeros; unlike torch, a NaN in such a row leaves its
 gradient zero rather than NaN). A target outside
 [0, V) never causes a read outside the row: its loss and gradient are NaN (and, for CPU
-tensors or with ``check_targets=True``, a ValueError names it first).
+tensors or with ``check_targets=True``, a ValueError names it first). Around the kernel, a
+mean's count of kept rows and the reduction of the per-row losses take one single-program
+launch each (in eager mode; torch.compile fuses torch's own ops instead).
 """
 
 from __future__ import annotations
@@ -533,9 +535,9 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     _scale_unless_one_kernel[(programs,)](grad, grad_output, elements, BLOCK=4096, num_warps=8)
 
 
-def count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """The number of targets that are not ``ignore_index``, as a 0-d int32 device tensor
-    (no host sync); torch's own ops under torch.compile, which fuses them."""
+def _count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The number of targets that are not ``ignore_index``, as a 0-d integer tensor on their
+    device (no host sync); torch's own ops under torch.compile, which fuses them."""
     if torch.compiler.is_compiling():
         return (target != ignore_index).sum()
     flat = target.reshape(-1).contiguous()
@@ -544,7 +546,7 @@ def count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return count
 
 
-def reduce_loss(loss: torch.Tensor, count: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _reduce_loss(loss: torch.Tensor, count: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The 0-d sum of the fp32 per-row ``loss``, divided by ``count`` (mean) unless it is
     None, in ``dtype``; under torch.compile, torch's own ops, left in fp32 (the caller's
     cast follows)."""
@@ -645,7 +647,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         needs_grad = ctx.needs_input_grad[0]
         grad_scale = reduction if needs_grad and reduction != "none" else None
         # only a mean needs the count: one launch fewer per call otherwise
-        valid_rows = count_kept(target, ignore_index) if reduction == "mean" else None
+        valid_rows = _count_kept(target, ignore_index) if reduction == "mean" else None
         grad_out = None
         if grad_scale is not None and not torch.compiler.is_compiling():
             in_place = inplace_backward and logits.is_contiguous()
@@ -660,7 +662,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, target, stats)
         if reduction == "none":
             return loss.view(target.shape)
-        return reduce_loss(loss, valid_rows, logits.dtype)
+        return _reduce_loss(loss, valid_rows, logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
