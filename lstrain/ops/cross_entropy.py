@@ -145,12 +145,12 @@ def _write_gradient(
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
     """
     CHUNK: tl.constexpr = LANES * RUN
-    q_scale = 1.0 / sum_exp
+    inverse_sum = 1.0 / sum_exp
+    z_factor = 0.0
     if HAS_Z_LOSS:
-        q_scale *= 1.0 + 2.0 * z_loss * (row_max + tl.log(sum_exp))
-    e_scale = q_scale * scale
+        z_factor = 2.0 * z_loss * (row_max + tl.log(sum_exp))
+    e_scale = inverse_sum * (1.0 + z_factor) * scale
     uniform = smoothing / vocab * scale
-    on_target = (1.0 - smoothing) * scale + uniform
     # The target column is written last, over the sweep's value (read now: the sweep may
     # overwrite the logits in place), so that the sweep needs no per-logit compare.
     has_target = (target >= 0) & (target < vocab)
@@ -185,7 +185,11 @@ def _write_gradient(
         tl.store(grad_ptr + grad_body, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
     # The barrier orders every thread's sweep stores before this one to the same address.
     tl.debug_barrier()
-    g_target = _exp(x_target.to(tl.float32) - row_max) * e_scale - on_target
+    # q (1 + z') - p at the target, as (q - 1) + a (1 - 1 / V) + q z' with q - 1 = (e - sum_exp) /
+    # sum_exp: where q is near 1 (a confident row, or V = 1) q (1 + z') and p nearly cancel.
+    e_target = _exp(x_target.to(tl.float32) - row_max)
+    g_target = (e_target - sum_exp) * inverse_sum + smoothing * (1.0 - 1.0 / vocab) + e_target * inverse_sum * z_factor
+    g_target *= scale
     tl.store(grad_ptr + grad_start + target, g_target.to(grad_ptr.dtype.element_ty), mask=has_target)
 
 

@@ -27,7 +27,7 @@ def _case(tokens=9, hidden=8, vocab=50, dtype=torch.float32, bias=False, rows=4,
         "ignored": options.get("ignored", 0.0),
         "reduction": reduction,
         "z_loss": options.get("z_loss", 0.0),
-        "seed": 0,
+        "seed": options.get("seed", 0),
     }
 
 
@@ -36,6 +36,9 @@ def _case(tokens=9, hidden=8, vocab=50, dtype=torch.float32, bias=False, rows=4,
 @example(case=_case(tokens=1, vocab=1, rows=1, reduction="mean"))
 @example(case=_case(dtype=torch.float16, bias=True, reduction="none", label_smoothing=0.1, ignored=0.3))
 @example(case=_case(tokens=64, rows=64, reduction="mean", z_loss=1e-3, ignored=1.0))
+# V = 1: q = p at the target, so its gradient is the z-loss term alone; written as q (1 + z') - p
+# it lost 1e-4 of its value to cancellation (a randomised hunt drew this case)
+@example(case=_case(23, 24, 1, bias=True, rows=1, reduction="none", label_smoothing=0.1, z_loss=1e-3, seed=243912182))
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
