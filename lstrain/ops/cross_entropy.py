@@ -446,10 +446,11 @@ def _rows_aligned(x: torch.Tensor, grad: torch.Tensor | None) -> bool:
     )
 
 
-def _launch_layout(x: torch.Tensor, grad: torch.Tensor | None, plan: CrossEntropyPlan) -> dict:
-    """The kernels' layout constexprs: 16-byte runs, and whether rows may be hinted aligned."""
+def _launch_layout(x: torch.Tensor, plan: CrossEntropyPlan, aligned: bool) -> dict:
+    """The kernels' layout constexprs: 16-byte runs, and whether rows may be hinted aligned
+    (``_rows_aligned``, which the launcher also needs for the plan)."""
     run = 16 // x.element_size()
-    return {"ALIGNED": _rows_aligned(x, grad), "LANES": max(1, plan.block // run), "RUN": run}
+    return {"ALIGNED": aligned, "LANES": max(1, plan.block // run), "RUN": run}
 
 
 def cross_entropy_fwd(
@@ -494,7 +495,7 @@ def cross_entropy_fwd(
         HAS_Z_LOSS=z_loss > 0,
         WRITE_GRAD=write_grad,
         MEAN=grad_scale == "mean",
-        **_launch_layout(x, grad_out if write_grad else None, plan),
+        **_launch_layout(x, plan, aligned),
         num_warps=plan.num_warps,
     )  # fmt: skip
     return loss, stats
@@ -516,13 +517,14 @@ def cross_entropy_bwd(
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if rows == 0:
         return grad
-    plan = plan or cross_entropy_plan(vocab, x.element_size(), "gradient", _rows_aligned(x, grad))
+    aligned = _rows_aligned(x, grad)
+    plan = plan or cross_entropy_plan(vocab, x.element_size(), "gradient", aligned)
     grad_output = grad_output.reshape(-1).contiguous()
     _cross_entropy_bwd_kernel[(rows,)](
         x, target.reshape(-1).contiguous(), stats, grad_output, grad,
         rows, vocab, x.stride(0), vocab, ignore_index, label_smoothing, z_loss,
         HAS_Z_LOSS=z_loss > 0,
-        **_launch_layout(x, grad, plan),
+        **_launch_layout(x, plan, aligned),
         num_warps=plan.num_warps,
     )  # fmt: skip
     return grad
