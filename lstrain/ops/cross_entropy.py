@@ -137,9 +137,18 @@ def _write_gradient(
     HAS_Z_LOSS: tl.constexpr,
     LANES: tl.constexpr,
     RUN: tl.constexpr,
+    LOAD_POLICY: tl.constexpr,
 ):
     """grad = (softmax * (1 + 2 z lse) - p) * scale over one row (scale is NaN for a bad
     target, which poisons the row).
+
+    LOAD_POLICY is the eviction policy of the sweep's loads, chosen by the caller from
+    timings on the H200 (bf16, ninth session of 2026-11-30, run 2; other policies of loads
+    and stores tried beside them): "evict_first" when the statistics sweep has just read
+    the row (955 us at 16384 x 50257 against 1023-1052 otherwise; 1230 against 1290-1398
+    at 8192 x 128256), "evict_last" in the backward's lone sweep (853 against 944 us with
+    "evict_first" and 872 with none; 1020 against 1071 at 128256, 501 against 530 at
+    16384 x 32000).
 
     softmax = exp(x - max) / sum_exp: x - max is exact where it matters, whereas
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
@@ -162,22 +171,22 @@ def _write_gradient(
     # Backwards through the body, last chunk first: the chunks the statistics sweep read
     # last are the likeliest to be still in L2. Only the partial chunk is masked (per run,
     # so its loads stay 16 bytes wide); each whole chunk is loaded one iteration ahead.
-    # Nothing here is read again: loads and stores may leave L2 first.
+    # Nothing here is written again: stores may leave L2 first.
     full = lanes // LANES
     rem = lanes - full * LANES
     if rem > 0:
         in_row = (tl.arange(0, LANES) < rem)[:, None]
-        x_rem = tl.load(x_ptr + body + full * CHUNK, mask=in_row, other=0.0, eviction_policy="evict_first")
+        x_rem = tl.load(x_ptr + body + full * CHUNK, mask=in_row, other=0.0, eviction_policy=LOAD_POLICY)
         g_rem = _gradient(x_rem, row_max, e_scale, uniform)
         tl.store(
             grad_ptr + grad_body + full * CHUNK, g_rem.to(grad_ptr.dtype.element_ty), mask=in_row,
             eviction_policy="evict_first",
         )  # fmt: skip
     if full > 0:
-        x = tl.load(x_ptr + body + (full - 1) * CHUNK, eviction_policy="evict_first")
+        x = tl.load(x_ptr + body + (full - 1) * CHUNK, eviction_policy=LOAD_POLICY)
         for k in range(1, full):
             first = (full - k) * CHUNK
-            x_next = tl.load(x_ptr + body + first - CHUNK, eviction_policy="evict_first")
+            x_next = tl.load(x_ptr + body + first - CHUNK, eviction_policy=LOAD_POLICY)
             g = _gradient(x, row_max, e_scale, uniform)
             tl.store(grad_ptr + grad_body + first, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
             x = x_next
@@ -294,7 +303,7 @@ def _cross_entropy_fwd_kernel(
             scale = tl.where(bad, float("nan"), scale)
             _write_gradient(
                 logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target, row_max, sum_exp,
-                scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN,
+                scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN, "evict_first",
             )  # fmt: skip
 
 
@@ -332,7 +341,7 @@ def _cross_entropy_bwd_kernel(
         _write_gradient(
             logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target,
             tl.load(stats_ptr + row), tl.load(stats_ptr + rows + row), scale, tl.cast(smoothing, tl.float32),
-            tl.cast(z_loss, tl.float32), HAS_Z_LOSS, LANES, RUN,
+            tl.cast(z_loss, tl.float32), HAS_Z_LOSS, LANES, RUN, "evict_last",
         )  # fmt: skip
 
 

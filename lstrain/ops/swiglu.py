@@ -341,7 +341,12 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     recomputing a here as well (to save it from forward) took the Triton + dW_down part of
     backward from 5.36 to 5.73 ms. One persistent program per SM, its tile loop flattened
     into the K loop: 2654 us against 3214 for one program per tile (same run; two per SM
-    and the unflattened loop gained nothing).
+    and the unflattened loop gained nothing). Three pipeline stages, not the GEMM plan's four
+    (80 KiB of shared memory against 96; Triton 3.6 double-buffers the flattened loop either
+    way): 2524-2964 us against 2659-3131 over four interleaved rounds, faster in each
+    (ninth session of 2026-11-30, run 3; cuBLAS's dy @ w_down^T 2016-2209 there, and the
+    kernel without its epilogue 1938-2349). Prefetching the tile's h into L2 during the
+    mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
@@ -357,7 +362,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
             TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            num_warps=plan.num_warps, num_stages=min(plan.num_stages, 3),
         )  # fmt: skip
 
 
