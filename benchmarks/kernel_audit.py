@@ -10,7 +10,8 @@ machine's version: ``pip install --target DIR triton==3.6.0``) and prints, per l
 shared memory, registers and spills (ptxas -v), and the 2-byte or 1-byte global loads
 and stores in the PTX of launches whose pointers and integers are all multiples of 16,
 where 16-byte accesses were likely meant (a causal mask that cut every load to 2 bytes
-was found this way). Exit status 1 when a launch fails to compile.
+was found this way), and ptxas's C7515, wgmma instructions serialized (which cost the
+GEMM with a K-major B 12-22%). Exit status 1 when a launch fails to compile.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def compile_one(launch: dict) -> dict:
         "registers": int(registers.group(1)) if registers else None,
         "spill_bytes": int(spills.group(1)) if spills else None,
         "narrow": len(narrow),
+        "serialized_wgmma": "C7515" in report,
     }
 
 
@@ -197,6 +199,8 @@ def main() -> None:
             notes = []
             if result["spill_bytes"]:
                 notes.append(f"spills {result['spill_bytes']} B")
+            if result.get("serialized_wgmma"):
+                notes.append("wgmma serialized by ptxas (C7515)")
             if result["narrow"] and _aligned(launch):
                 notes.append(f"{result['narrow']} 1-2 byte global accesses")
             rows.append(

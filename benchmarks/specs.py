@@ -399,7 +399,8 @@ def adamw_cases() -> list[StepCase]:
 
 
 def gemm_cases() -> list[StepCase]:
-    """Forward GEMMs at an MLP's shape: the mainloop against cuBLAS, and the bias + GELU
+    """Forward GEMMs at an MLP's shape: the mainloop against cuBLAS (B row-major, and B as a
+    Linear layer holds it: ``w.t()`` of a row-major [N, K] weight), and the bias + GELU
     epilogue against cuBLAS followed by the separate elementwise ops."""
     from lstrain.ops import gemm
 
@@ -411,6 +412,10 @@ def gemm_cases() -> list[StepCase]:
         b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen) * k**-0.5
         bias = torch.randn(n, device="cuda", dtype=dtype, generator=gen)
         return a, b, bias
+
+    def make_linear(dtype):
+        a, b, bias = make(dtype)
+        return a, b.t().contiguous().t(), bias
 
     def ours(epilogue):
         def build(make):
@@ -443,6 +448,11 @@ def gemm_cases() -> list[StepCase]:
         {"lstrain": ours(False), "cuBLAS (torch.matmul)": cublas(False)},
         (m * k + k * n + m * n) * element, flops=flops,
     )  # fmt: skip
+    linear = StepCase(
+        "gemm", f"{m} x {k} x {n} bf16, B = w.t()", make_linear,
+        {"lstrain": ours(False), "cuBLAS (torch.matmul)": cublas(False)},
+        (m * k + k * n + m * n) * element, flops=flops,
+    )  # fmt: skip
     fused = StepCase(
         "gemm", f"{m} x {k} x {n} bf16, bias + gelu", make,
         {
@@ -452,7 +462,7 @@ def gemm_cases() -> list[StepCase]:
         },
         (m * k + k * n + m * n + n) * element, flops=flops,
     )  # fmt: skip
-    return [plain, fused]
+    return [plain, linear, fused]
 
 
 STEP_REGISTRY: dict[str, Callable[[], list[StepCase]]] = {"adamw": adamw_cases, "gemm": gemm_cases}
