@@ -126,3 +126,15 @@ def test_custom_op_passes_opcheck(device):
     a, b = torch.randn(6, 5, device=device), torch.randn(5, 7, device=device)
     c, bias = torch.randn(6, 7, device=device), torch.randn(7, device=device)
     torch.library.opcheck(torch.ops.lstrain.gemm, (a, b, c, bias, 1.5, 0.5, 3, torch.float32))
+
+
+@pytest.mark.parametrize("b_layout", ["row-major", "w.t()"])
+def test_empty_k_leaves_the_epilogue(device, b_layout):
+    # K = 0: the product is zero; a K-major B still runs one fully masked K step (mainloop)
+    a = torch.randn(6, 0, device=device)
+    w = torch.randn(5, 8, device=device)[:, :0]  # [N, K] row-major, K = 0
+    b = w.t() if b_layout == "w.t()" else torch.randn(0, 5, device=device)
+    assert (b.stride(0) == 1) == (b_layout == "w.t()")
+    c, bias = torch.randn(6, 5, device=device), torch.randn(5, device=device)
+    d = gemm(a, b, c=c, bias=bias, alpha=3.0, beta=0.5, activation="relu")
+    torch.testing.assert_close(d, torch.relu(0.5 * c + bias))
