@@ -2,6 +2,7 @@ import pytest
 import torch
 from hypothesis import example, given
 
+from lstrain._backend import record_backends
 from lstrain.ops import gemm, gemm_ref
 from lstrain.ops.gemm import gemm_plan
 from lstrain.testing import assert_all_passed
@@ -136,5 +137,7 @@ def test_empty_k_leaves_the_epilogue(device, b_layout):
     b = w.t() if b_layout == "w.t()" else torch.randn(0, 5, device=device)
     assert (b.stride(0) == 1) == (b_layout == "w.t()")
     c, bias = torch.randn(6, 5, device=device), torch.randn(5, device=device)
-    d = gemm(a, b, c=c, bias=bias, alpha=3.0, beta=0.5, activation="relu")
+    with record_backends() as ran:
+        d = gemm(a, b, c=c, bias=bias, alpha=3.0, beta=0.5, activation="relu")
+    assert ran == [("gemm", EXPECTED_BACKEND)]  # the kernel ran, not the reference
     torch.testing.assert_close(d, torch.relu(0.5 * c + bias))
