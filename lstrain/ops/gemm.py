@@ -108,9 +108,10 @@ def mainloop(
     accumulator registers"), and ``gemm(x, w.t())`` ran 12-22% slower than with the step
     count forced (H200, ninth session of 2026-11-30, run 9: 2235-2505 against 2875-3010 us
     at 16384 x 11008 x 4096). Other layouts keep the plain count, which measured faster
-    for them (2258-2363 against 2516-2572 us with B row-major), and so do the SwiGLU
-    kernels: with the longer count their forward was slower and their backward (whose
-    w_down^T is K-major, but which ptxas did not serialize) within noise.
+    for them (2258-2363 against 2516-2572 us with B row-major). The SwiGLU forward passes
+    the flag from w_gate_up's strides as gemm does (ptxas serialized it the same way);
+    its backward keeps the plain count: its w_down^T is K-major, but ptxas did not
+    serialize that kernel, and the longer count was within noise there.
     """
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak

@@ -144,10 +144,11 @@ def _swiglu_fwd_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,
 ):
     """One tile of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a, over
     units [first_unit, first_unit + units_here): whole pair blocks, or (TAIL) the last,
-    partial one."""
+    partial one. B_K_MAJOR: w_gate_up is contiguous along K (see gemm's ``mainloop``)."""
     pid_m, pid_n = tile_ids(tl.program_id(0), M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -161,7 +162,7 @@ def _swiglu_fwd_kernel(
         cols = _aligned_run(gate_col, 2 * BLOCK_F)
         acc = mainloop(
             x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
-            IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
+            IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K, B_K_MAJOR,
         )  # fmt: skip
         h_tile = acc.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h_tile, mask=(rows < M)[:, None])
@@ -308,7 +309,12 @@ def swiglu_fwd(
     x2d: torch.Tensor, w_gate_up: torch.Tensor, plan: GemmPlan | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype
-    (``plan``: the GEMM's launch settings, by default ``gemm_plan``'s)."""
+    (``plan``: the GEMM's launch settings, by default ``gemm_plan``'s).
+
+    w_gate_up may have any strides; contiguous along K (the ``.t()`` of a [2F, D] weight)
+    it takes the mainloop's K-major count: on the H200 at 16384 x 4096 -> 2 x 11008,
+    5355-5498 us against 5676-5947 without it (tenth session of 2026-11-30, run 9, five
+    rounds; 4366-5127 with w_gate_up row-major in run 8)."""
     m, k = x2d.shape
     f = w_gate_up.shape[1] // 2
     a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
@@ -324,6 +330,7 @@ def swiglu_fwd(
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+            B_K_MAJOR=w_gate_up.stride(0) == 1 and w_gate_up.stride(1) != 1,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     return a, h

@@ -154,18 +154,24 @@ def test_gradients_of_any_subset_of_inputs(device, wanted):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", ["row-major", "transposed"])
 @pytest.mark.parametrize(
     "tokens, dim, units",
     [(2048, 8, 1068), pytest.param(8192, 64, 2048, marks=pytest.mark.gpu, id="more-tiles-than-programs")],
 )
-def test_large_tiles_whole_pair_blocks_and_a_partial_one(device, tokens, dim, units):
+def test_large_tiles_whole_pair_blocks_and_a_partial_one(device, tokens, dim, units, weights):
     """2048 tokens and F = 1068: the forward takes the large-problem plan, whose tiles are
     whole pair blocks (one accumulator, split into gate and up for a), plus the partial
     block's own launch. On a GPU also 8192 x 2048 units: 512 backward tiles, so each
-    persistent program runs several."""
+    persistent program runs several. "transposed": both weights are ``.t()`` views of
+    [out, in] matrices, as Linear layers hold them (w_gate_up contiguous along K takes
+    the mainloop's K-major path)."""
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = ((tokens, dim), (dim, 2 * units), (units, dim))
     x, w, wd = (torch.randn(s, device=device, generator=gen) for s in shapes)
+    if weights == "transposed":
+        w, wd = w.t().contiguous().t(), wd.t().contiguous().t()
+        assert w.stride(0) == 1 and wd.stride(0) == 1
     x.requires_grad_()
     dy = torch.randn(tokens, dim, device=device, generator=gen)
     with record_backends() as ran:
