@@ -354,11 +354,19 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     (ninth session of 2026-11-30, run 3; cuBLAS's dy @ w_down^T 2016-2209 there, and the
     kernel without its epilogue 1938-2349). Prefetching the tile's h into L2 during the
     mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
+
+    dy and w_down are made contiguous first (a copy only when they are not, as for a
+    ``.t()`` view of a [D, F] weight): in the flattened loop Triton 3.6's pipeliner turns an
+    operand's loads into asynchronous copies only when the operand is contiguous along K
+    (its TTGIR keeps a w_down^T contiguous along N as a synchronous load every K step), and
+    the forward kernel flattened the same way with such an operand ran 2.4x slower (H200,
+    tenth session of 2026-11-30, run 6).
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
     if m == 0 or f == 0:
         return
+    dy2d, w_down = dy2d.contiguous(), w_down.contiguous()
     plan = gemm_plan(m, f, d, dy2d.element_size())
     block_f = _block_f(plan)
     sms = _backend.multiprocessor_count(_backend.device_index(dy2d))
