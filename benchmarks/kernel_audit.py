@@ -10,8 +10,11 @@ machine's version: ``pip install --target DIR triton==3.6.0``) and prints, per l
 shared memory, registers and spills (ptxas -v), and the 2-byte or 1-byte global loads
 and stores in the PTX of launches whose pointers and integers are all multiples of 16,
 where 16-byte accesses were likely meant (a causal mask that cut every load to 2 bytes
-was found this way), and ptxas's C7515, wgmma instructions serialized (which cost the
-GEMM with a K-major B 12-22%). Exit status 1 when a launch fails to compile.
+was found this way), ptxas's C7515, wgmma instructions serialized (which cost the
+GEMM with a K-major B 12-22%), and wgmma operands that the pipeliner left as synchronous
+loads staged through registers (``ttg.local_alloc`` of a loaded tensor in the TTGIR: a
+persistent SwiGLU forward with such an operand ran 2.4x slower). Exit status 1 when a
+launch fails to compile.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def compile_one(launch: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the audit goes on
         return {"error": str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)}
     ptx = compiled.asm["ptx"]
+    ttgir = compiled.asm["ttgir"]
+    staged = len(re.findall(r"ttg\.local_alloc %", ttgir)) if "warp_group_dot" in ttgir else 0
     narrow = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9_]+)*\.[bsuf](?:8|16))\b", ptx)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
@@ -143,6 +148,7 @@ def compile_one(launch: dict) -> dict:
         "spill_bytes": int(spills.group(1)) if spills else None,
         "narrow": len(narrow),
         "serialized_wgmma": "C7515" in report,
+        "staged_wgmma_operands": staged,
     }
 
 
@@ -201,6 +207,8 @@ def main() -> None:
                 notes.append(f"spills {result['spill_bytes']} B")
             if result.get("serialized_wgmma"):
                 notes.append("wgmma serialized by ptxas (C7515)")
+            if result.get("staged_wgmma_operands"):
+                notes.append(f"{result['staged_wgmma_operands']} wgmma operand(s) loaded synchronously, not pipelined")
             if result["narrow"] and _aligned(launch):
                 notes.append(f"{result['narrow']} 1-2 byte global accesses")
             rows.append(
