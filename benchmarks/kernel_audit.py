@@ -11,10 +11,11 @@ shared memory, registers and spills (ptxas -v), and the 2-byte or 1-byte global 
 and stores in the PTX of launches whose pointers and integers are all multiples of 16,
 where 16-byte accesses were likely meant (a causal mask that cut every load to 2 bytes
 was found this way), ptxas's C7515, wgmma instructions serialized (which cost the
-GEMM with a K-major B 12-22%), and wgmma operands that the pipeliner left as synchronous
-loads staged through registers (``ttg.local_alloc`` of a loaded tensor in the TTGIR: a
-persistent SwiGLU forward with such an operand ran 2.4x slower). Exit status 1 when a
-launch fails to compile.
+GEMM with a K-major B 12-22%), and, in aligned launches, wgmma operands that the pipeliner
+left as synchronous loads staged through registers (``ttg.local_alloc`` of a loaded tensor
+in the TTGIR: a persistent SwiGLU forward with such an operand ran 2.4x slower; operands
+whose rows are not 16-byte aligned cannot be copied asynchronously anyway). Exit status 1
+when a launch fails to compile.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def main() -> None:
                 notes.append(f"spills {result['spill_bytes']} B")
             if result.get("serialized_wgmma"):
                 notes.append("wgmma serialized by ptxas (C7515)")
-            if result.get("staged_wgmma_operands"):
+            if result.get("staged_wgmma_operands") and _aligned(launch):
                 notes.append(f"{result['staged_wgmma_operands']} wgmma operand(s) loaded synchronously, not pipelined")
             if result["narrow"] and _aligned(launch):
                 notes.append(f"{result['narrow']} 1-2 byte global accesses")
