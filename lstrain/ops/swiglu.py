@@ -356,11 +356,11 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
 
     dy and w_down are made contiguous first (a copy only when they are not, as for a
-    ``.t()`` view of a [D, F] weight): in the flattened loop Triton 3.6's pipeliner turns an
-    operand's loads into asynchronous copies only when the operand is contiguous along K
-    (its TTGIR keeps a w_down^T contiguous along N as a synchronous load every K step), and
-    the forward kernel flattened the same way with such an operand ran 2.4x slower (H200,
-    tenth session of 2026-11-30, run 6).
+    ``.t()`` view of a [D, F] weight): w_down^T is then contiguous along K. Contiguous
+    along N instead, its unit mask (carried as a loop value through the flattened loop)
+    hides that contiguity from Triton 3.6's pipeliner, whose TTGIR keeps the load
+    synchronous every K step; the forward kernel flattened with such an operand ran 2.4x
+    slower (H200, tenth session of 2026-11-30, run 6).
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
