@@ -321,7 +321,9 @@ def gemm(
     Args:
         a: ``[M, K]``, float16/bfloat16/float32 (fp32 products are full fp32, as in
             torch.matmul by default); any strides (a transposed view needs no copy).
-        b: ``[K, N]``, same dtype; any strides.
+        b: ``[K, N]``, same dtype; any strides. Row-major is fastest: on an H200 at
+            16384 x 4096 x 11008 bf16, 91.7% of cuBLAS's speed row-major and 84.9% as
+            ``w.t()`` of a [N, K] weight (tenth session of 2026-11-30, run 1).
         c: optional ``[M, N]`` added as ``beta * c`` (never read when ``beta == 0``).
         bias: optional ``[N]``, added to every row.
         alpha, beta: scalars of the affine epilogue.
