@@ -38,6 +38,7 @@ __all__ = [
     "gemm_fwd",
     "gemm_plan",
     "gemm_ref",
+    "k_major",
     "kahan_add",
     "mainloop",
     "tile_coordinates",
@@ -214,6 +215,12 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     return GemmPlan(block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k))), 8, num_warps=4, num_stages=3)
 
 
+def k_major(b: torch.Tensor) -> bool:
+    """Whether a [K, N] operand is contiguous along K (``w.t()`` of a row-major [N, K]
+    weight): the mainloop's ``B_K_MAJOR``."""
+    return b.stride(0) == 1 and b.stride(1) != 1
+
+
 def gemm_fwd(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -248,7 +255,7 @@ def gemm_fwd(
         BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k,
         GROUP_M=plan.group_m,
-        B_K_MAJOR=b.stride(0) == 1 and b.stride(1) != 1,
+        B_K_MAJOR=k_major(b),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip

@@ -35,7 +35,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.gemm import GemmPlan, gemm_plan, kahan_add, mainloop, tile_ids
+from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
 from lstrain.ops.layout import cdiv
 
 __all__ = [
@@ -330,7 +330,7 @@ def swiglu_fwd(
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            B_K_MAJOR=w_gate_up.stride(0) == 1 and w_gate_up.stride(1) != 1,
+            B_K_MAJOR=k_major(w_gate_up),
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     return a, h
@@ -349,8 +349,8 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     backward from 5.36 to 5.73 ms. One persistent program per SM, its tile loop flattened
     into the K loop: 2654 us against 3214 for one program per tile (same run; two per SM
     and the unflattened loop gained nothing). Three pipeline stages, not the GEMM plan's four
-    (80 KiB of shared memory against 96; Triton 3.6 double-buffers the flattened loop either
-    way): 2524-2964 us against 2659-3131 over four interleaved rounds, faster in each
+    (160 KiB of shared memory against 208, Triton 3.6): 2524-2964 us against 2659-3131 over
+    four interleaved rounds, faster in each
     (ninth session of 2026-11-30, run 3; cuBLAS's dy @ w_down^T 2016-2209 there, and the
     kernel without its epilogue 1938-2349). Prefetching the tile's h into L2 during the
     mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
