@@ -41,7 +41,6 @@ __all__ = [
     "k_major",
     "kahan_add",
     "mainloop",
-    "tile_coordinates",
     "tile_ids",
 ]
 
@@ -61,13 +60,6 @@ def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m.to(tl.int64), pid_n.to(tl.int64)
-
-
-@triton.jit
-def tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(rows, cols) of this program's output tile (see :func:`tile_ids`), int64."""
-    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -100,8 +92,14 @@ def mainloop(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     B_K_MAJOR: tl.constexpr = False,
+    MASK_N: tl.constexpr = True,
 ):
     """fp32 accumulator of A[rows, :] @ B[:, cols], edges masked.
+
+    MASK_N=False: every column of the tile exists (the caller knows), so B is masked along K
+    only. In a loop flattened over tiles that is what lets Triton 3.6 copy a row-major B
+    asynchronously: the flattened loop carries ``cols`` as a loop value, the column mask
+    loses its contiguity along N, and the load falls under an asynchronous copy's 4 bytes.
 
     B_K_MAJOR (B contiguous along K, as ``w.t()`` of a row-major weight is) makes the loop
     run at least one step (for K = 0 a fully masked one, adding zeros): Triton 3.6's ptxas
@@ -125,7 +123,10 @@ def mainloop(
     for k in range(0, steps):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(rows < M)[:, None] & (ks < k_left)[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
+        if MASK_N:
+            b = tl.load(b_ptrs, mask=(ks < k_left)[:, None] & (cols < N)[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=(ks < k_left)[:, None], other=0.0)
         if IEEE:  # fp32 operands: full fp32 products, as torch.matmul gives by default
             acc, compensation = kahan_add(acc, compensation, tl.dot(a, b, input_precision="ieee"))
         else:
@@ -133,6 +134,59 @@ def mainloop(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def _gemm_tile(
+    tile,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    d_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_dm,
+    alpha,
+    beta,
+    HAS_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
+    """Output tile ``tile`` (see :func:`tile_ids`); MASK_N=False: all its columns exist."""
+    pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = mainloop(
+        a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+        B_K_MAJOR, MASK_N,
+    )  # fmt: skip
+    if MASK_N:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+    else:
+        mask = (rows < M)[:, None]
+    z = acc * tl.cast(alpha, tl.float32)
+    if HAS_C:
+        c = tl.load(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, mask=mask, other=0.0)
+        z += tl.cast(beta, tl.float32) * c.to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    d, _ = apply_activation(z, ACT)
+    tl.store(d_ptr + rows[:, None] * stride_dm + cols[None, :], d.to(d_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -163,21 +217,26 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    rows, cols = tile_coordinates(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = mainloop(
-        a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-        B_K_MAJOR,
-    )  # fmt: skip
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    z = acc * tl.cast(alpha, tl.float32)
-    if HAS_C:
-        c = tl.load(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, mask=mask, other=0.0)
-        z += tl.cast(beta, tl.float32) * c.to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    d, _ = apply_activation(z, ACT)
-    tl.store(d_ptr + rows[:, None] * stride_dm + cols[None, :], d.to(d_ptr.dtype.element_ty), mask=mask)
+    """D = act(alpha * (a @ b) + beta * c + bias). PERSISTENT (N a multiple of BLOCK_N): each
+    program loops over tiles, the tile loop flattened into the K loop so that the next
+    tile's loads start during this tile's epilogue; B is then masked along K only, which
+    keeps a row-major B's loads asynchronous copies (see ``mainloop``'s MASK_N)."""
+    if PERSISTENT:
+        tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+            _gemm_tile(
+                tile, a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                GROUP_M, B_K_MAJOR, False,
+            )  # fmt: skip
+    else:
+        _gemm_tile(
+            tl.program_id(0), a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+            stride_bn, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N,
+            BLOCK_K, GROUP_M, B_K_MAJOR, True,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,25 +299,38 @@ def gemm_fwd(
         return d
     plan = plan or gemm_plan(m, n, k, a.element_size())
     has_c = c is not None and beta != 0.0
-    grid = (cdiv(m, plan.block_m) * cdiv(n, plan.block_n),)
-    _gemm_kernel[grid](
-        a, b, c if has_c else None, bias, d,
-        m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c.stride(0) if has_c else 0, c.stride(1) if has_c else 0, d.stride(0),
-        alpha, beta,
-        HAS_C=has_c,
-        HAS_BIAS=bias is not None,
-        ACT=act,
-        IEEE=a.dtype == torch.float32,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k,
-        GROUP_M=plan.group_m,
-        B_K_MAJOR=k_major(b),
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-    )  # fmt: skip
+    sms = _backend.multiprocessor_count(_backend.device_index(a))
+    whole = n - n % plan.block_n
+    # Persistent programs over the whole column tiles when there are more tiles than SMs
+    # (16-bit inputs: the fp32 Kahan loop spills when flattened), one program per tile for
+    # the rest and for the last, partial column strip.
+    persistent = a.dtype != torch.float32 and cdiv(m, plan.block_m) * (whole // plan.block_n) > sms
+    strips = [(0, whole, True), (whole, n, False)] if persistent else [(0, n, False)]
+    for first, last, strip_persistent in strips:
+        if first == last:
+            continue
+        width = last - first
+        tiles = cdiv(m, plan.block_m) * cdiv(width, plan.block_n)
+        c_strip = c[:, first:last] if has_c else None
+        _gemm_kernel[(min(sms, tiles) if strip_persistent else tiles,)](
+            a, b[:, first:last], c_strip, None if bias is None else bias[first:last], d[:, first:last],
+            m, width, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            c.stride(0) if has_c else 0, c.stride(1) if has_c else 0, d.stride(0),
+            alpha, beta,
+            HAS_C=has_c,
+            HAS_BIAS=bias is not None,
+            ACT=act,
+            IEEE=a.dtype == torch.float32,
+            BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
+            BLOCK_K=plan.block_k,
+            GROUP_M=plan.group_m,
+            B_K_MAJOR=k_major(b),
+            PERSISTENT=strip_persistent,
+            num_warps=plan.num_warps,
+            num_stages=min(plan.num_stages, 3) if strip_persistent else plan.num_stages,
+        )  # fmt: skip
     return d
 
 

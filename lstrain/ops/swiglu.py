@@ -123,7 +123,8 @@ def _mainloop_pairs(
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
+def _swiglu_fwd_tile(
+    tile,
     x_ptr,
     w_ptr,
     a_ptr,
@@ -146,23 +147,21 @@ def _swiglu_fwd_kernel(
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
 ):
-    """One tile of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a, over
-    units [first_unit, first_unit + units_here): whole pair blocks, or (TAIL) the last,
-    partial one. B_K_MAJOR: w_gate_up is contiguous along K (see gemm's ``mainloop``)."""
-    pid_m, pid_n = tile_ids(tl.program_id(0), M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
+    """Tile ``tile`` of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a."""
+    pid_m, pid_n = tile_ids(tile, M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
     unit_ok = unit_in_launch < units_here
     mask = (rows < M)[:, None] & unit_ok[None, :]
     gate_col = _gate_column(first_unit, pid_n * BLOCK_F, PAIR)
     if not TAIL and BLOCK_F == PAIR:
-        # A tile is one whole pair block, 2 * PAIR contiguous columns: the plain GEMM
-        # mainloop (one accumulator, one B tile per step), h stored as it comes out, and
-        # the gate and up halves split apart only for a.
+        # A tile is one whole pair block, 2 * PAIR contiguous columns that all exist: the
+        # plain GEMM mainloop (one accumulator, one B tile per step, B masked along K only),
+        # h stored as it comes out, and the gate and up halves split apart only for a.
         cols = _aligned_run(gate_col, 2 * BLOCK_F)
         acc = mainloop(
             x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
-            IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K, B_K_MAJOR,
+            IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K, B_K_MAJOR, MASK_N=False,
         )  # fmt: skip
         h_tile = acc.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h_tile, mask=(rows < M)[:, None])
@@ -186,6 +185,50 @@ def _swiglu_fwd_kernel(
     a = gate * tl.sigmoid(gate) * h_up.to(tl.float32)
     units = _aligned_run(first_unit + pid_n * BLOCK_F, BLOCK_F)
     tl.store(a_ptr + rows[:, None] * F + units[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    a_ptr,
+    h_ptr,
+    M,
+    F,
+    K,
+    first_unit,
+    units_here,
+    stride_xm,
+    stride_xk,
+    stride_wk,
+    stride_wn,
+    TAIL: tl.constexpr,
+    IEEE: tl.constexpr,
+    PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """h = x @ w_gate_up and a over units [first_unit, first_unit + units_here): whole pair
+    blocks, or (TAIL) the last, partial one. B_K_MAJOR: w_gate_up is contiguous along K (see
+    gemm's ``mainloop``). PERSISTENT: each program loops over tiles, the tile loop flattened
+    into the K loop so that the next tile's loads start during this tile's epilogue (whole
+    pair blocks only: the other tiles' column masks would leave B's loads synchronous)."""
+    if PERSISTENT:
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, BLOCK_F)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+            _swiglu_fwd_tile(
+                tile, x_ptr, w_ptr, a_ptr, h_ptr, M, F, K, first_unit, units_here, stride_xm, stride_xk, stride_wk,
+                stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR,
+            )  # fmt: skip
+    else:
+        _swiglu_fwd_tile(
+            tl.program_id(0), x_ptr, w_ptr, a_ptr, h_ptr, M, F, K, first_unit, units_here, stride_xm, stride_xk,
+            stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -323,15 +366,17 @@ def swiglu_fwd(
         return a, h
     plan = plan or gemm_plan(m, 2 * f, k, x2d.element_size())
     block_f = _block_f(plan)
+    sms = _backend.multiprocessor_count(_backend.device_index(x2d))
     for first, units, tail in _launches(f):
-        grid = (cdiv(m, plan.block_m) * cdiv(units, block_f),)
-        _swiglu_fwd_kernel[grid](
+        tiles = cdiv(m, plan.block_m) * cdiv(units, block_f)
+        persistent = not tail and block_f == PAIR_BLOCK
+        _swiglu_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
             x2d, w_gate_up, a, h, m, f, k, first, units,
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            B_K_MAJOR=k_major(w_gate_up),
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent,
+            num_warps=plan.num_warps, num_stages=min(plan.num_stages, 3) if persistent else plan.num_stages,
         )  # fmt: skip
     return a, h
 

@@ -2,9 +2,10 @@ import pytest
 import torch
 from hypothesis import example, given
 
-from lstrain._backend import record_backends
+from lstrain._backend import multiprocessor_count, record_backends
 from lstrain.ops import gemm, gemm_ref
 from lstrain.ops.gemm import gemm_plan
+from lstrain.ops.layout import cdiv
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import gemm_cases
@@ -79,6 +80,21 @@ def test_launch_plan():
     small = gemm_plan(5, 7, 3, 4)
     assert small.block_m == 16 and small.block_n == 16 and small.block_k == 16
     assert gemm_plan(4096, 4096, 4096, 4).block_k == 16
+
+
+@pytest.mark.parametrize("b_layout", ["row-major", "w.t()"])
+@pytest.mark.parametrize("mnk", [(600, 300, 40), pytest.param((2048, 2404, 72), marks=pytest.mark.gpu, id="h200")])
+def test_persistent_launch_and_the_last_column_strip(mnk, b_layout):
+    """More whole column tiles than programs: one persistent launch over them, a launch per
+    tile for the partial last column strip (views of b, c, bias and d), every epilogue term."""
+    m, n, k = mnk
+    plan = gemm_plan(m, n, k, 2)
+    programs = multiprocessor_count(-1 if DEVICE == "cpu" else torch.cuda.current_device())
+    assert cdiv(m, plan.block_m) * (n // plan.block_n) > programs and n % plan.block_n
+    case = _case(mnk, LOW, tb=b_layout == "w.t()", c=True, bias=True, alpha=0.5, beta=0.75, act="gelu", seed=n)
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
 
 
 @pytest.mark.parametrize(
