@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_GELU = ACTIVATIONS.index("gelu")
 
 
 @triton.jit
@@ -166,8 +167,10 @@ def _gemm_tile(
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
     MASK_N: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
 ):
-    """Output tile ``tile`` (see :func:`tile_ids`); MASK_N=False: all its columns exist."""
+    """Output tile ``tile`` (see :func:`tile_ids`); MASK_N=False: all its columns exist;
+    SPLIT_EPILOGUE: the epilogue runs on the tile's two column halves in turn."""
     pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,6 +178,47 @@ def _gemm_tile(
         a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
         B_K_MAJOR, MASK_N,
     )  # fmt: skip
+    if SPLIT_EPILOGUE:
+        # Two column halves, one after the other: the erf of gelu then needs its temporaries
+        # for half the tile (Triton 3.6, 128 x 256 persistent: 56 bytes of spills, not 496).
+        left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+        half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        _epilogue(
+            left, rows, half, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C,
+            HAS_BIAS, ACT, MASK_N,
+        )  # fmt: skip
+        _epilogue(
+            right, rows, half + BLOCK_N // 2, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha,
+            beta, HAS_C, HAS_BIAS, ACT, MASK_N,
+        )  # fmt: skip
+    else:
+        _epilogue(
+            acc, rows, cols, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C,
+            HAS_BIAS, ACT, MASK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    rows,
+    cols,
+    c_ptr,
+    bias_ptr,
+    d_ptr,
+    M,
+    N,
+    stride_cm,
+    stride_cn,
+    stride_dm,
+    alpha,
+    beta,
+    HAS_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
+    """D[rows, cols] = act(alpha * acc + beta * C + bias), in fp32, rounded at the store."""
     if MASK_N:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
     else:
@@ -218,24 +262,28 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
 ):
     """D = act(alpha * (a @ b) + beta * c + bias). PERSISTENT (N a multiple of BLOCK_N): each
     program loops over tiles, the tile loop flattened into the K loop so that the next
     tile's loads start during this tile's epilogue; B is then masked along K only, which
-    keeps a row-major B's loads asynchronous copies (see ``mainloop``'s MASK_N)."""
+    keeps a row-major B's loads asynchronous copies (see ``mainloop``'s MASK_N).
+    SPLIT_EPILOGUE: the epilogue in two column halves (gelu: on the H200 at 16384 x 4096 x
+    11008, bias + gelu persistent 2543-2683 us in halves against 2744-2935 in one piece over
+    five interleaved rounds; gelu_tanh and silu were slower in halves in every round)."""
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
             _gemm_tile(
                 tile, a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, B_K_MAJOR, False,
+                GROUP_M, B_K_MAJOR, False, SPLIT_EPILOGUE,
             )  # fmt: skip
     else:
         _gemm_tile(
             tl.program_id(0), a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, M, N, K, stride_am, stride_ak, stride_bk,
             stride_bn, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N,
-            BLOCK_K, GROUP_M, B_K_MAJOR, True,
+            BLOCK_K, GROUP_M, B_K_MAJOR, True, SPLIT_EPILOGUE,
         )  # fmt: skip
 
 
@@ -258,7 +306,9 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     Large problems get the 128 x 256 x 64 tiles, 8 warps and a 4-deep pipeline that suit
     Hopper's tensor cores for 16-bit inputs (on the H200 at 16384 x 4096 x 11008, side by
     side in one process: 723 TFLOP/s, against 630 with 3 stages; BENCHMARKS.md has a later
-    run where it gave 627); small problems smaller tiles, so that the grid still fills the
+    run where it gave 627; a persistent launch, see :func:`gemm_fwd`, caps it at 3 stages:
+    with B = w.t() 3 stages were faster in 4 of 5 interleaved rounds, row-major mixed, eleventh
+    session); small problems smaller tiles, so that the grid still fills the
     GPU. fp32 inputs take K tiles of 16, the least ``tl.dot`` allows: each tile's products
     sum in one fp32 chain before joining the accumulator (see :func:`kahan_add`), and 16
     keeps that chain's error at a 32-lane GEMV's, which is what cuBLAS runs for N = 1 (a
@@ -328,6 +378,7 @@ def gemm_fwd(
             GROUP_M=plan.group_m,
             B_K_MAJOR=k_major(b),
             PERSISTENT=strip_persistent,
+            SPLIT_EPILOGUE=act == _GELU and plan.block_n >= 64,
             num_warps=plan.num_warps,
             num_stages=min(plan.num_stages, 3) if strip_persistent else plan.num_stages,
         )  # fmt: skip
@@ -400,9 +451,9 @@ def gemm(
     Args:
         a: ``[M, K]``, float16/bfloat16/float32 (fp32 products are full fp32, as in
             torch.matmul by default); any strides (a transposed view needs no copy).
-        b: ``[K, N]``, same dtype; any strides. Row-major is fastest: on an H200 at
-            16384 x 4096 x 11008 bf16, 91.7% of cuBLAS's speed row-major and 84.9% as
-            ``w.t()`` of a [N, K] weight (tenth session of 2026-11-30, run 1).
+        b: ``[K, N]``, same dtype; any strides. On an H200 at 16384 x 4096 x 11008 bf16,
+            98.5-99.2% of cuBLAS's speed row-major and 97.1-98.2% as ``w.t()`` of a [N, K]
+            weight (eleventh session of 2026-11-30, two runner runs).
         c: optional ``[M, N]`` added as ``beta * c`` (never read when ``beta == 0``).
         bias: optional ``[N]``, added to every row.
         alpha, beta: scalars of the affine epilogue.

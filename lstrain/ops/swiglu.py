@@ -354,10 +354,14 @@ def swiglu_fwd(
     """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype
     (``plan``: the GEMM's launch settings, by default ``gemm_plan``'s).
 
+    Whole pair blocks run as persistent programs, their tile loop flattened into the K loop
+    (the next tile's loads overlap this tile's epilogue), at most 3 stages: on the H200 at
+    16384 x 4096 -> 2 x 11008, 4614-4802 us against 4586-4961 for a program per tile, faster
+    in four of five interleaved rounds (eleventh session of 2026-11-30, run 1).
+
     w_gate_up may have any strides; contiguous along K (the ``.t()`` of a [2F, D] weight)
-    it takes the mainloop's K-major count: on the H200 at 16384 x 4096 -> 2 x 11008,
-    5355-5498 us against 5676-5947 without it (tenth session of 2026-11-30, run 9, five
-    rounds; 4366-5127 with w_gate_up row-major in run 8)."""
+    it takes the mainloop's K-major count: before the persistent launch, 5355-5498 us
+    against 5676-5947 without it (tenth session of 2026-11-30, run 9, five rounds)."""
     m, k = x2d.shape
     f = w_gate_up.shape[1] // 2
     a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
