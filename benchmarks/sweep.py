@@ -119,13 +119,14 @@ def time_dropout_kernels() -> None:
 
 
 def _gemm_plans(quick: bool, default: GemmPlan) -> list[GemmPlan]:
-    """Tile shapes x pipelining depths, and the default tile under other program groupings
-    (which decide how long A's and B's tiles stay in L2); --quick: the depths only."""
+    """Tile shapes x (persistent at 3 stages, a program per tile at 4), and the default tile
+    under other program groupings (which decide how long A's and B's tiles stay in L2);
+    --quick: the default tile only."""
     plans = [
-        GemmPlan(block_m, block_n, 64, 8, num_warps=8, num_stages=stages)
-        for (block_m, block_n), stages in itertools.product(((128, 256), (256, 128)), (3, 4))
+        GemmPlan(block_m, block_n, 64, 8, num_warps=8, num_stages=3 if persistent else 4, persistent=persistent)
+        for (block_m, block_n), persistent in itertools.product(((128, 256), (256, 128)), (True, False))
     ]
-    plans += [GemmPlan(128, 256, 64, group_m, num_warps=8, num_stages=4) for group_m in (4, 16)]
+    plans += [GemmPlan(128, 256, 64, group_m, num_warps=8, num_stages=4, persistent=True) for group_m in (4, 16)]
     return [p for p in plans if not quick or (p.block_m, p.block_n, p.group_m) == (default.block_m, default.block_n, 8)]
 
 

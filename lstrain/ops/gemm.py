@@ -3,8 +3,11 @@
 The fp32 accumulator gets the whole affine part and the activation in registers, and is
 rounded once, at the store. ``beta == 0`` (or no ``c``) compiles a kernel that never
 loads C. Operands may be transposed (any strides); edges are masked, so any M, N, K.
-Programs are ordered in groups of ``group_m`` tile rows so that neighbouring programs
-share tiles of ``b`` in L2.
+Tiles are ordered in groups of ``group_m`` tile rows so that neighbouring programs share
+tiles of ``b`` in L2. With more tiles than SMs (16-bit inputs), one persistent program per
+SM loops over the tiles whose columns all exist, its tile loop flattened into the K loop
+so that the next tile's loads overlap this tile's epilogue; a last, partial column strip
+gets a program per tile.
 
 Backward (when an input requires grad) recomputes the pre-activation with this kernel and
 uses cuBLAS GEMMs for the gradients.
@@ -297,6 +300,9 @@ class GemmPlan:
     group_m: int
     num_warps: int
     num_stages: int
+    # one program per SM looping over the tiles (the large 16-bit plan only: on the H200 the
+    # 128 x 128, 4-warp tiles of mid-size problems ran 1.3x slower persistent, 2.8x with gelu)
+    persistent: bool = False
 
 
 @functools.cache
@@ -306,10 +312,12 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     Large problems get the 128 x 256 x 64 tiles, 8 warps and a 4-deep pipeline that suit
     Hopper's tensor cores for 16-bit inputs (on the H200 at 16384 x 4096 x 11008, side by
     side in one process: 723 TFLOP/s, against 630 with 3 stages; BENCHMARKS.md has a later
-    run where it gave 627; a persistent launch, see :func:`gemm_fwd`, caps it at 3 stages:
-    with B = w.t() 3 stages were faster in 4 of 5 interleaved rounds, row-major mixed, eleventh
-    session); small problems smaller tiles, so that the grid still fills the
-    GPU. fp32 inputs take K tiles of 16, the least ``tl.dot`` allows: each tile's products
+    run where it gave 627). With 16-bit inputs that plan is persistent, and a persistent
+    launch (see :func:`gemm_fwd`) caps it at 3 stages: with B = w.t() 3 stages were faster
+    in 4 of 5 interleaved rounds, row-major mixed (eleventh session). Smaller problems get
+    smaller tiles, one program each, so that the grid still fills the GPU (persistent, their
+    128 x 128 tiles at 4 warps took 73-80 us against 57 at 4096 x 1024 x 4096, and 8 warps
+    did not help). fp32 inputs take K tiles of 16, the least ``tl.dot`` allows: each tile's products
     sum in one fp32 chain before joining the accumulator (see :func:`kahan_add`), and 16
     keeps that chain's error at a 32-lane GEMV's, which is what cuBLAS runs for N = 1 (a
     simulation of 20000 dot products of K = 216 on the CPU: mean error 0.92e-6 for tiles
@@ -318,7 +326,7 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     """
     block_k = 64 if element_size <= 2 else 16
     if m >= 2048 and n >= 2048:
-        return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=4)
+        return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=4, persistent=element_size <= 2)
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_n = min(128, max(16, triton.next_power_of_2(n)))
     return GemmPlan(block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k))), 8, num_warps=4, num_stages=3)
@@ -351,10 +359,9 @@ def gemm_fwd(
     has_c = c is not None and beta != 0.0
     sms = _backend.multiprocessor_count(_backend.device_index(a))
     whole = n - n % plan.block_n
-    # Persistent programs over the whole column tiles when there are more tiles than SMs
-    # (16-bit inputs: the fp32 Kahan loop spills when flattened), one program per tile for
-    # the rest and for the last, partial column strip.
-    persistent = a.dtype != torch.float32 and cdiv(m, plan.block_m) * (whole // plan.block_n) > sms
+    # Persistent programs over the whole column tiles when the plan says so and there are
+    # more tiles than SMs; one program per tile for the rest and the last, partial strip.
+    persistent = plan.persistent and cdiv(m, plan.block_m) * (whole // plan.block_n) > sms
     strips = [(0, whole, True), (whole, n, False)] if persistent else [(0, n, False)]
     for first, last, strip_persistent in strips:
         if first == last:

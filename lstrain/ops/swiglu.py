@@ -31,6 +31,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
@@ -129,6 +130,7 @@ def _swiglu_fwd_tile(
     w_ptr,
     a_ptr,
     h_ptr,
+    h_desc,
     M,
     F,
     K,
@@ -146,8 +148,12 @@ def _swiglu_fwd_tile(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
+    H_TMA: tl.constexpr,
 ):
-    """Tile ``tile`` of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a."""
+    """Tile ``tile`` of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a.
+    H_TMA: a whole pair block's h leaves through ``h_desc`` (a [BLOCK_M, BLOCK_F] TMA
+    descriptor over h), asynchronously from shared memory, so that a persistent program
+    starts the next tile's mainloop while the store drains."""
     pid_m, pid_n = tile_ids(tile, M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -164,8 +170,14 @@ def _swiglu_fwd_tile(
             IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K, B_K_MAJOR, MASK_N=False,
         )  # fmt: skip
         h_tile = acc.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h_tile, mask=(rows < M)[:, None])
         h_gate, h_up = _halves(h_tile, BLOCK_M, BLOCK_F)
+        if H_TMA:  # in halves: one [BLOCK_M, 2 * BLOCK_F] staging buffer overflows shared memory
+            row0 = (pid_m * BLOCK_M).to(tl.int32)
+            col0 = gate_col.to(tl.int32)
+            h_desc.store([row0, col0], h_gate)
+            h_desc.store([row0, col0 + BLOCK_F], h_up)
+        else:
+            tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h_tile, mask=(rows < M)[:, None])
     else:
         # The last, partial pair block (its up columns start at a run-time offset) or
         # tiles narrower than a pair block: gate and up columns as two column blocks.
@@ -193,6 +205,7 @@ def _swiglu_fwd_kernel(
     w_ptr,
     a_ptr,
     h_ptr,
+    h_desc,
     M,
     F,
     K,
@@ -211,23 +224,25 @@ def _swiglu_fwd_kernel(
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    H_TMA: tl.constexpr,
 ):
     """h = x @ w_gate_up and a over units [first_unit, first_unit + units_here): whole pair
     blocks, or (TAIL) the last, partial one. B_K_MAJOR: w_gate_up is contiguous along K (see
     gemm's ``mainloop``). PERSISTENT: each program loops over tiles, the tile loop flattened
     into the K loop so that the next tile's loads start during this tile's epilogue (whole
-    pair blocks only: the other tiles' column masks would leave B's loads synchronous)."""
+    pair blocks only: the other tiles' column masks would leave B's loads synchronous).
+    H_TMA: see :func:`_swiglu_fwd_tile`."""
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, BLOCK_F)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
             _swiglu_fwd_tile(
-                tile, x_ptr, w_ptr, a_ptr, h_ptr, M, F, K, first_unit, units_here, stride_xm, stride_xk, stride_wk,
-                stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR,
+                tile, x_ptr, w_ptr, a_ptr, h_ptr, h_desc, M, F, K, first_unit, units_here, stride_xm, stride_xk,
+                stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, H_TMA,
             )  # fmt: skip
     else:
         _swiglu_fwd_tile(
-            tl.program_id(0), x_ptr, w_ptr, a_ptr, h_ptr, M, F, K, first_unit, units_here, stride_xm, stride_xk,
-            stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR,
+            tl.program_id(0), x_ptr, w_ptr, a_ptr, h_ptr, h_desc, M, F, K, first_unit, units_here, stride_xm,
+            stride_xk, stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, H_TMA,
         )  # fmt: skip
 
 
@@ -373,13 +388,15 @@ def swiglu_fwd(
     sms = _backend.multiprocessor_count(_backend.device_index(x2d))
     for first, units, tail in _launches(f):
         tiles = cdiv(m, plan.block_m) * cdiv(units, block_f)
-        persistent = not tail and block_f == PAIR_BLOCK
+        persistent = plan.persistent and not tail and block_f == PAIR_BLOCK
+        # TMA needs h's rows 16-byte aligned
+        h_desc = TensorDescriptor.from_tensor(h, [plan.block_m, block_f]) if persistent and f % 4 == 0 else None
         _swiglu_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
-            x2d, w_gate_up, a, h, m, f, k, first, units,
+            x2d, w_gate_up, a, h, h_desc, m, f, k, first, units,
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent,
+            B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent, H_TMA=h_desc is not None,
             num_warps=plan.num_warps, num_stages=min(plan.num_stages, 3) if persistent else plan.num_stages,
         )  # fmt: skip
     return a, h

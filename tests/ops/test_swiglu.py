@@ -5,7 +5,8 @@ from hypothesis import example, given
 import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import swiglu_mlp, swiglu_mlp_ref
-from lstrain.ops.swiglu import pack_gate_up, unpack_gate_up
+from lstrain.ops.gemm import gemm_plan
+from lstrain.ops.swiglu import PAIR_BLOCK, pack_gate_up, unpack_gate_up
 from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import swiglu_cases
@@ -22,6 +23,18 @@ CHECK = OP_CHECKS["swiglu_mlp"]
 # a long fp32 K chain through the two-accumulator mainloop of a partial pair block
 @example(case={"tokens": 3, "hidden": 431, "intermediate": 43, "dtype": torch.float32, "seed": 2})
 def test_matches_torch(case):
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+def test_16_bit_whole_pair_blocks_run_persistent_with_tma_stores():
+    """16-bit inputs at the large plan: the whole pair blocks run as persistent programs
+    whose h leaves through a TMA descriptor (4096 tokens: 256 tiles, more than an H200's
+    132 SMs), the partial last block as a program per tile."""
+    low = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    case = {"tokens": 4096, "hidden": 16, "intermediate": 1068, "dtype": low, "seed": 3}
+    assert gemm_plan(4096, 2 * 1068, 16, 2).persistent and 1068 % PAIR_BLOCK
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
     assert_all_passed(result.comparisons, str(case))
