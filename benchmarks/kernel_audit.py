@@ -50,6 +50,7 @@ def _describe(kernel, args, kwargs) -> dict:
     would derive from these arguments (ints equal to 1 become constexprs, ints and
     pointers divisible by 16 get the hint)."""
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     names = kernel.arg_names
     values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
@@ -72,6 +73,9 @@ def _describe(kernel, args, kwargs) -> dict:
                 divisible.append(index)
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif isinstance(value, TensorDescriptor):
+            block = ", ".join(str(size) for size in value.block_shape)
+            signature[name] = f"tensordesc<{_DTYPES[str(value.base.dtype)]}[{block}]>"
         else:
             raise TypeError(f"{kernel.fn.__name__}: cannot describe argument {name} of type {type(value)}")
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
