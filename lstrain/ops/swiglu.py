@@ -369,7 +369,8 @@ def swiglu_fwd(
     """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype
     (``plan``: the GEMM's launch settings, by default ``gemm_plan``'s).
 
-    Whole pair blocks run as persistent programs, their tile loop flattened into the K loop
+    Under a persistent plan (the large 16-bit one, ``plan.persistent``) whole pair blocks run
+    as persistent programs, their tile loop flattened into the K loop
     (the next tile's loads overlap this tile's epilogue), at most 3 stages: on the H200 at
     16384 x 4096 -> 2 x 11008, 4614-4802 us against 4586-4961 for a program per tile, faster
     in four of five interleaved rounds (eleventh session of 2026-11-30, run 1). Their h
