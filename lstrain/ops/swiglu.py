@@ -370,12 +370,12 @@ def swiglu_fwd(
     (``plan``: the GEMM's launch settings, by default ``gemm_plan``'s).
 
     Under a persistent plan (the large 16-bit one, ``plan.persistent``) whole pair blocks run
-    as persistent programs, their tile loop flattened into the K loop
-    (the next tile's loads overlap this tile's epilogue), at most 3 stages: on the H200 at
-    16384 x 4096 -> 2 x 11008, 4614-4802 us against 4586-4961 for a program per tile, faster
-    in four of five interleaved rounds (eleventh session of 2026-11-30, run 1). Their h
-    leaves through a TMA descriptor (F a multiple of 4): 4026-4553 us against 4161-5010
-    without, faster in 9 of 10 rounds (runs 6, 7).
+    as persistent programs, their tile loop flattened into the K loop (the next tile's loads
+    overlap this tile's epilogue), at most 3 stages: on the H200 at 16384 x 4096 -> 2 x
+    11008, 4614-4802 us against 4586-4961 for a program per tile, faster in four of five
+    interleaved rounds (eleventh session of 2026-11-30, run 1). Their h leaves through a
+    TMA descriptor (F a multiple of 4): 4026-4553 us against 4161-5010 without, faster in
+    9 of 10 rounds (runs 6, 7).
 
     w_gate_up may have any strides; contiguous along K (the ``.t()`` of a [2F, D] weight)
     it takes the mainloop's K-major count: before the persistent launch, 5355-5498 us
