@@ -126,7 +126,7 @@ def _gemm_plans(quick: bool, default: GemmPlan) -> list[GemmPlan]:
         GemmPlan(block_m, block_n, 64, 8, num_warps=8, num_stages=3 if persistent else 4, persistent=persistent)
         for (block_m, block_n), persistent in itertools.product(((128, 256), (256, 128)), (True, False))
     ]
-    plans += [GemmPlan(128, 256, 64, group_m, num_warps=8, num_stages=4, persistent=True) for group_m in (4, 16)]
+    plans += [GemmPlan(128, 256, 64, group_m, num_warps=8, num_stages=3, persistent=True) for group_m in (4, 16)]
     return [p for p in plans if not quick or (p.block_m, p.block_n, p.group_m) == (default.block_m, default.block_n, 8)]
 
 

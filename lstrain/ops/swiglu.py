@@ -400,7 +400,7 @@ def swiglu_fwd(
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent, H_TMA=h_desc is not None,
-            num_warps=plan.num_warps, num_stages=min(plan.num_stages, 3) if persistent else plan.num_stages,
+            num_warps=plan.num_warps, num_stages=plan.stages(persistent),
         )  # fmt: skip
     return a, h
 
@@ -446,7 +446,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
             TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            num_warps=plan.num_warps, num_stages=min(plan.num_stages, 3),
+            num_warps=plan.num_warps, num_stages=plan.stages(True),
         )  # fmt: skip
 
 
