@@ -401,21 +401,19 @@ def adamw_cases() -> list[StepCase]:
 def gemm_cases() -> list[StepCase]:
     """Forward GEMMs at an MLP's shape: the mainloop against cuBLAS (B row-major, and B as a
     Linear layer holds it: ``w.t()`` of a row-major [N, K] weight), and the bias + GELU
-    epilogue against cuBLAS followed by the separate elementwise ops."""
+    epilogue against cuBLAS followed by the separate elementwise ops; then a mid-size shape
+    (N below 2048: a program per 128 x 256 tile, not persistent), plain and with the epilogue."""
     from lstrain.ops import gemm
 
-    m, k, n = 16384, 4096, 11008
+    def shaped(m, k, n, w_t=False):
+        def make(dtype):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+            b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen) * k**-0.5
+            bias = torch.randn(n, device="cuda", dtype=dtype, generator=gen)
+            return a, b.t().contiguous().t() if w_t else b, bias
 
-    def make(dtype):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
-        b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen) * k**-0.5
-        bias = torch.randn(n, device="cuda", dtype=dtype, generator=gen)
-        return a, b, bias
-
-    def make_linear(dtype):
-        a, b, bias = make(dtype)
-        return a, b.t().contiguous().t(), bias
+        return make
 
     def ours(epilogue):
         def build(make):
@@ -441,28 +439,27 @@ def gemm_cases() -> list[StepCase]:
 
         return build
 
-    flops = 2 * m * n * k
+    plain_impls = {"lstrain": ours(False), "cuBLAS (torch.matmul)": cublas(False)}
+    fused_impls = {
+        "lstrain epilogue": ours(True),
+        "cuBLAS + eager bias, gelu": cublas(True),
+        "torch.compile": cublas(True, compiled=True),
+    }
     element = 2
-    plain = StepCase(
-        "gemm", f"{m} x {k} x {n} bf16", make,
-        {"lstrain": ours(False), "cuBLAS (torch.matmul)": cublas(False)},
-        (m * k + k * n + m * n) * element, flops=flops,
-    )  # fmt: skip
-    linear = StepCase(
-        "gemm", f"{m} x {k} x {n} bf16, B = w.t()", make_linear,
-        {"lstrain": ours(False), "cuBLAS (torch.matmul)": cublas(False)},
-        (m * k + k * n + m * n) * element, flops=flops,
-    )  # fmt: skip
-    fused = StepCase(
-        "gemm", f"{m} x {k} x {n} bf16, bias + gelu", make,
-        {
-            "lstrain epilogue": ours(True),
-            "cuBLAS + eager bias, gelu": cublas(True),
-            "torch.compile": cublas(True, compiled=True),
-        },
-        (m * k + k * n + m * n + n) * element, flops=flops,
-    )  # fmt: skip
-    return [plain, linear, fused]
+    cases = []
+    for m, k, n in ((16384, 4096, 11008), (4096, 4096, 1024)):
+        flops = 2 * m * n * k
+        moved = (m * k + k * n + m * n) * element
+        label = f"{m} x {k} x {n} bf16"
+        cases.append(StepCase("gemm", label, shaped(m, k, n), plain_impls, moved, flops=flops))
+        if m == 16384:
+            cases.append(
+                StepCase("gemm", f"{label}, B = w.t()", shaped(m, k, n, True), plain_impls, moved, flops=flops)
+            )
+        cases.append(
+            StepCase("gemm", f"{label}, bias + gelu", shaped(m, k, n), fused_impls, moved + n * element, flops=flops)
+        )
+    return cases
 
 
 STEP_REGISTRY: dict[str, Callable[[], list[StepCase]]] = {"adamw": adamw_cases, "gemm": gemm_cases}

@@ -49,6 +49,9 @@ __all__ = [
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _GELU = ACTIVATIONS.index("gelu")
+# About one wave of programs on the 132 SMs of an H100 / H200: launch plans stay a pure
+# function of the shape.
+_WAVE_TILES = 128
 
 
 @triton.jit
@@ -315,27 +318,41 @@ class GemmPlan:
 def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     """Launch settings from the problem shape (a pure function).
 
-    Large problems get the 128 x 256 x 64 tiles, 8 warps and a 4-deep pipeline that suit
-    Hopper's tensor cores for 16-bit inputs (on the H200 at 16384 x 4096 x 11008, side by
-    side in one process: 723 TFLOP/s, against 630 with 3 stages; BENCHMARKS.md has a later
-    run where it gave 627). With 16-bit inputs that plan is persistent, and a persistent
-    launch (see :func:`gemm_fwd`) caps it at 3 stages: with B = w.t() 3 stages were faster
-    in 4 of 5 interleaved rounds, row-major mixed (eleventh session). Smaller problems get
-    smaller tiles, one program each, so that the grid still fills the GPU (persistent, their
-    128 x 128 tiles at 4 warps took 73-80 us against 57 at 4096 x 1024 x 4096, and 8 warps
-    did not help). fp32 inputs take K tiles of 16, the least ``tl.dot`` allows: each tile's products
-    sum in one fp32 chain before joining the accumulator (see :func:`kahan_add`), and 16
-    keeps that chain's error at a 32-lane GEMV's, which is what cuBLAS runs for N = 1 (a
-    simulation of 20000 dot products of K = 216 on the CPU: mean error 0.92e-6 for tiles
-    of 16 and for a 32-lane GEMV, 1.20e-6 for tiles of 32; an H200 test drew an fp32
-    216 x 1 x 216 GEMM whose input gradient was 3.4x torch's error with tiles of 32).
+    16-bit inputs (H200, bf16, twelfth session of 2026-11-30, runs 1 and 2, three to five
+    interleaved rounds):
+
+    - M and N >= 2048: 128 x 256 x 64 tiles, 8 warps, persistent (see :func:`gemm_fwd`; a
+      persistent launch takes 3 stages, :meth:`GemmPlan.stages`): 98.5-99.2% of cuBLAS at
+      16384 x 4096 x 11008 (eleventh session).
+    - Otherwise, when its 128 x 128 tiles fit in one wave of programs (``_WAVE_TILES``):
+      those tiles at 8 warps and 4 stages, a program each: 2048 x 1024 x 8192 68 us against
+      79 at 4 warps (gelu epilogue 73 against 93), 512 x 4096 x 4096 38 against 44.
+    - More tiles than that and N >= 256: 128 x 256 tiles, 8 warps, 4 stages, a program
+      each (persistent, mid sizes ran up to 2.8x slower in the eleventh session):
+      4096 x 1024 x 4096 51 us against 55 at 128 x 128 / 4 warps (gelu 65 against 74,
+      cuBLAS + eager 66), 3072 x 1024 x 4096 50 against 53, 1536^3 24 against 25.
+    - Else 128 x 128 (or the next power of two of a smaller M, N) at 4 warps, 3 stages.
+
+    fp32 inputs take the last plan below 2048 and K tiles of 16, the least ``tl.dot`` allows:
+    each tile's products sum in one fp32 chain before joining the accumulator (see
+    :func:`kahan_add`), and 16 keeps that chain's error at a 32-lane GEMV's, which is what
+    cuBLAS runs for N = 1 (a simulation of 20000 dot products of K = 216 on the CPU: mean
+    error 0.92e-6 for tiles of 16 and for a 32-lane GEMV, 1.20e-6 for tiles of 32; an H200
+    test drew an fp32 216 x 1 x 216 GEMM whose input gradient was 3.4x torch's error with
+    tiles of 32).
     """
     block_k = 64 if element_size <= 2 else 16
     if m >= 2048 and n >= 2048:
         return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=4, persistent=element_size <= 2)
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_n = min(128, max(16, triton.next_power_of_2(n)))
-    return GemmPlan(block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k))), 8, num_warps=4, num_stages=3)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if element_size <= 2 and block_m == block_n == 128:
+        if cdiv(m, 128) * cdiv(n, 128) <= _WAVE_TILES:
+            return GemmPlan(128, 128, block_k, 8, num_warps=8, num_stages=4)
+        if n >= 256:
+            return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=4)
+    return GemmPlan(block_m, block_n, block_k, 8, num_warps=4, num_stages=3)
 
 
 def k_major(b: torch.Tensor) -> bool:

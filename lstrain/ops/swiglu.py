@@ -251,6 +251,8 @@ def _swiglu_grad_half(
     da,
     h_ptr,
     dh_ptr,
+    dh_desc,
+    row0,
     rows,
     unit_start,
     M,
@@ -260,19 +262,29 @@ def _swiglu_grad_half(
     up_offset,
     PAIR: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    DH_TMA: tl.constexpr,
 ):
     """The epilogue for dA of BLOCK_F units from ``unit_start`` (counted in the launch):
-    dgate and dup over their gate and up tiles of h."""
+    dgate and dup over their gate and up tiles of h. DH_TMA: they leave through ``dh_desc``
+    (a [BLOCK_M, BLOCK_F] TMA descriptor over dh; whole pair blocks only), asynchronously,
+    so that the next quarter's loads of h start while the store drains. h, which dh may be,
+    is read before its tile is written, by this program alone."""
     unit_in_launch = unit_start + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (unit_in_launch < units_here)[None, :]
-    gate_cols = _aligned_run(_gate_column(first_unit, unit_start, PAIR), BLOCK_F)
+    gate_col = _gate_column(first_unit, unit_start, PAIR)
+    gate_cols = _aligned_run(gate_col, BLOCK_F)
     offsets = rows[:, None] * (2 * F) + gate_cols[None, :]
     gate = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + offsets + up_offset, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
-    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    tl.store(dh_ptr + offsets, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptr + offsets + up_offset, (da * gate * sig).to(dh_ptr.dtype.element_ty), mask=mask)
+    d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
+    d_up = (da * gate * sig).to(dh_ptr.dtype.element_ty)
+    if DH_TMA:
+        dh_desc.store([row0, gate_col.to(tl.int32)], d_gate)
+        dh_desc.store([row0, (gate_col + up_offset).to(tl.int32)], d_up)
+    else:
+        tl.store(dh_ptr + offsets, d_gate, mask=mask)
+        tl.store(dh_ptr + offsets + up_offset, d_up, mask=mask)
 
 
 @triton.jit
@@ -281,6 +293,7 @@ def _swiglu_bwd_kernel(
     w_down_ptr,
     h_ptr,
     dh_ptr,
+    dh_desc,
     M,
     F,
     K,
@@ -298,6 +311,7 @@ def _swiglu_bwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     QUARTERS: tl.constexpr,
+    DH_TMA: tl.constexpr,
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
     epilogue into dgate and dup. dh may be h itself: each tile is read before it is written.
@@ -320,30 +334,36 @@ def _swiglu_bwd_kernel(
         )  # fmt: skip
         da0, da1 = _halves(da, BLOCK_M, BLOCK_F)
         up_offset = units_here if TAIL else PAIR
+        row0 = (pid_m * BLOCK_M).to(tl.int32)
         if QUARTERS:
             QUARTER: tl.constexpr = BLOCK_F // 2
             da00, da01 = _halves(da0, BLOCK_M, QUARTER)
             _swiglu_grad_half(
-                da00, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
-            )
+                da00, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR,
+                QUARTER, DH_TMA,
+            )  # fmt: skip
             _swiglu_grad_half(
-                da01, h_ptr, dh_ptr, rows, tile_start + QUARTER, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
-            )
+                da01, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + QUARTER, M, F, first_unit, units_here,
+                up_offset, PAIR, QUARTER, DH_TMA,
+            )  # fmt: skip
             da10, da11 = _halves(da1, BLOCK_M, QUARTER)
             _swiglu_grad_half(
-                da10, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, QUARTER
-            )
+                da10, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
+                up_offset, PAIR, QUARTER, DH_TMA,
+            )  # fmt: skip
             _swiglu_grad_half(
-                da11, h_ptr, dh_ptr, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit, units_here, up_offset,
-                PAIR, QUARTER,
+                da11, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit,
+                units_here, up_offset, PAIR, QUARTER, DH_TMA,
             )  # fmt: skip
         else:
             _swiglu_grad_half(
-                da0, h_ptr, dh_ptr, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
-            )
+                da0, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR,
+                BLOCK_F, DH_TMA,
+            )  # fmt: skip
             _swiglu_grad_half(
-                da1, h_ptr, dh_ptr, rows, tile_start + BLOCK_F, M, F, first_unit, units_here, up_offset, PAIR, BLOCK_F
-            )
+                da1, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
+                up_offset, PAIR, BLOCK_F, DH_TMA,
+            )  # fmt: skip
 
 
 @functools.cache
@@ -441,11 +461,15 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     sms = _backend.multiprocessor_count(_backend.device_index(dy2d))
     for first, units, tail in _launches(f):
         grid = (min(sms, cdiv(m, plan.block_m) * cdiv(units, 2 * block_f)),)
+        quarter = block_f // 2
+        # TMA needs dh's rows 16-byte aligned
+        tma = not tail and block_f == PAIR_BLOCK and f % 4 == 0 and dh.data_ptr() % 16 == 0
+        dh_desc = TensorDescriptor.from_tensor(dh, [plan.block_m, quarter]) if tma else None
         _swiglu_bwd_kernel[grid](
-            dy2d, w_down, h, dh, m, f, d, first, units,
+            dy2d, w_down, h, dh, dh_desc, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
             TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
-            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m, DH_TMA=tma,
             num_warps=plan.num_warps, num_stages=plan.stages(True),
         )  # fmt: skip
 

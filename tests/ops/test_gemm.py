@@ -78,7 +78,12 @@ def test_launch_plan():
     big = gemm_plan(16384, 11008, 4096, 2)
     assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (128, 256, 64, 8)
     assert big.persistent and not gemm_plan(16384, 11008, 4096, 4).persistent
-    assert not gemm_plan(4096, 1024, 4096, 2).persistent  # mid-size tiles ran slower persistent
+    mid = gemm_plan(4096, 1024, 4096, 2)  # 128 tiles of 128 x 256: more than one wave of 128 x 128
+    assert (mid.block_n, mid.num_warps, mid.num_stages, mid.persistent) == (256, 8, 4, False)
+    one_wave = gemm_plan(2048, 1024, 8192, 2)
+    assert (one_wave.block_n, one_wave.num_warps, one_wave.num_stages) == (128, 8, 4)
+    narrow = gemm_plan(32768, 128, 64, 2)  # 256 tiles, too narrow for 128 x 256
+    assert (narrow.block_n, narrow.num_warps, narrow.num_stages) == (128, 4, 3)
     small = gemm_plan(5, 7, 3, 4)
     assert small.block_m == 16 and small.block_n == 16 and small.block_k == 16
     assert gemm_plan(4096, 4096, 4096, 4).block_k == 16

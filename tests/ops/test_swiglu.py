@@ -30,11 +30,12 @@ def test_matches_torch(case):
 
 def test_16_bit_whole_pair_blocks_run_persistent_with_tma_stores():
     """16-bit inputs at the large plan: the whole pair blocks run as persistent programs
-    whose h leaves through a TMA descriptor (4096 tokens: 256 tiles, more than an H200's
-    132 SMs), the partial last block as a program per tile."""
+    whose h (forward) and dh (backward) leave through TMA descriptors (4096 tokens: 256
+    tiles, more than an H200's 132 SMs), the partial last block with plain stores."""
     low = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
     case = {"tokens": 4096, "hidden": 16, "intermediate": 1068, "dtype": low, "seed": 3}
     assert gemm_plan(4096, 2 * 1068, 16, 2).persistent and 1068 % PAIR_BLOCK
+    assert gemm_plan(4096, 1068, 16, 2).block_n == 2 * PAIR_BLOCK  # backward's whole pair blocks
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
     assert_all_passed(result.comparisons, str(case))
