@@ -6,7 +6,7 @@ import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import swiglu_mlp, swiglu_mlp_ref
 from lstrain.ops.gemm import gemm_plan
-from lstrain.ops.swiglu import PAIR_BLOCK, pack_gate_up, unpack_gate_up
+from lstrain.ops.swiglu import PAIR_BLOCK, _fwd_plan, pack_gate_up, unpack_gate_up
 from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import swiglu_cases
@@ -28,14 +28,17 @@ def test_matches_torch(case):
     assert_all_passed(result.comparisons, str(case))
 
 
-def test_16_bit_whole_pair_blocks_run_persistent_with_tma_stores():
-    """16-bit inputs at the large plan: the whole pair blocks run as persistent programs
-    whose h (forward) and dh (backward) leave through TMA descriptors (4096 tokens: 256
-    tiles, more than an H200's 132 SMs), the partial last block with plain stores."""
+@pytest.mark.parametrize("tokens, intermediate", [(4096, 1068), (1024, 2100)])
+def test_16_bit_whole_pair_blocks_run_persistent_with_tma_stores(tokens, intermediate):
+    """16-bit inputs with pair-block-wide tiles (the large plan; at 1024 tokens the mid-size
+    one, which the plain GEMM runs a program per tile): the whole pair blocks run as
+    persistent programs whose h (forward) and dh (backward) leave through TMA descriptors
+    (more tiles than an H200's 132 SMs at 4096 tokens), the partial last block with plain
+    stores."""
     low = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
-    case = {"tokens": 4096, "hidden": 16, "intermediate": 1068, "dtype": low, "seed": 3}
-    assert gemm_plan(4096, 2 * 1068, 16, 2).persistent and 1068 % PAIR_BLOCK
-    assert gemm_plan(4096, 1068, 16, 2).block_n == 2 * PAIR_BLOCK  # backward's whole pair blocks
+    case = {"tokens": tokens, "hidden": 16, "intermediate": intermediate, "dtype": low, "seed": 3}
+    assert _fwd_plan(tokens, intermediate, 16, 2).persistent and intermediate % PAIR_BLOCK
+    assert gemm_plan(tokens, intermediate, 16, 2).block_n == 2 * PAIR_BLOCK  # backward's whole pair blocks
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
     assert_all_passed(result.comparisons, str(case))
