@@ -458,6 +458,11 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     (ninth session of 2026-11-30, run 3; cuBLAS's dy @ w_down^T 2016-2209 there, and the
     kernel without its epilogue 1938-2349). Prefetching the tile's h into L2 during the
     mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
+    Whole pair blocks store dh through a TMA descriptor (F a multiple of 4): median 2729 us
+    against 2802, faster in 8 of 10 interleaved rounds; loading h through TMA as well lost
+    (2865); persistent also at mid sizes, where it beat a program per tile at four shapes
+    (twelfth session of 2026-11-30, runs 1 and 2). The descriptor costs host time at every
+    launch (Triton 3.6's launcher encodes the tensor map: 20-100 us, run 6).
 
     dy and w_down are made contiguous first (a copy only when they are not, as for a
     ``.t()`` view of a [D, F] weight): w_down^T is then contiguous along K. Contiguous
