@@ -482,8 +482,8 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     for first, units, tail in _launches(f):
         grid = (min(sms, cdiv(m, plan.block_m) * cdiv(units, 2 * block_f)),)
         quarter = block_f // 2
-        # TMA needs dh's rows 16-byte aligned
-        tma = not tail and block_f == PAIR_BLOCK and f % 4 == 0 and dh.data_ptr() % 16 == 0
+        # 16-bit only, as timed; TMA needs dh's rows 16-byte aligned
+        tma = not tail and block_f == PAIR_BLOCK and dh.element_size() <= 2 and f % 4 == 0 and dh.data_ptr() % 16 == 0
         dh_desc = TensorDescriptor.from_tensor(dh, [plan.block_m, quarter]) if tma else None
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, dh_desc, m, f, d, first, units,
