@@ -303,8 +303,9 @@ class GemmPlan:
     group_m: int
     num_warps: int
     num_stages: int
-    # one program per SM looping over the tiles (the large 16-bit plan only: on the H200 the
-    # 128 x 128, 4-warp tiles of mid-size problems ran 1.3x slower persistent, 2.8x with gelu)
+    # one program per SM looping over the tiles: gemm_plan's large 16-bit plan only (mid-size
+    # plans ran slower persistent, see gemm_plan); the SwiGLU forward sets it for every plan
+    # whose tile is a pair block wide
     persistent: bool = False
 
     def stages(self, persistent: bool) -> int:
