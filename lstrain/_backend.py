@@ -92,6 +92,27 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Shared memory per program on an H100 / H200 (227 KiB), which the interpreter reports
+HOPPER_SHARED_MEMORY = 232448
+
+
+@functools.cache
+def shared_memory_per_program(device_index: int) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (the opt-in maximum
+    Triton checks a launch against: 227 KiB on an H100 / H200, 163 on an A100, 99 on
+    sm_86 / sm_89 parts such as the A10, L4 or RTX 4090); for the interpreter, an H200's."""
+    if device_index < 0:
+        return HOPPER_SHARED_MEMORY
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+@functools.cache
+def has_tma(device_index: int) -> bool:
+    """Whether a CUDA device has the Tensor Memory Accelerator (Hopper, sm_90, or newer);
+    the interpreter runs the TMA code paths too."""
+    return device_index < 0 or torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def device_index(tensor: torch.Tensor) -> int:
     """CUDA device index of ``tensor``, or -1 for a CPU tensor."""
     return tensor.device.index if tensor.is_cuda else -1

@@ -21,3 +21,15 @@ def test_record_backends_collects_and_nests():
     assert outer == [("layer_norm", EXPECTED_BACKEND)] * 2
     layer_norm(x, 8)  # nothing recorded outside a block
     assert outer == [("layer_norm", EXPECTED_BACKEND)] * 2
+
+
+def test_device_limits():
+    """The interpreter reports an H200's shared memory and TMA; a GPU its own (Triton checks
+    launches against the same opt-in maximum)."""
+    index = _backend.device_index(torch.zeros(1, device=DEVICE))
+    if index < 0:
+        assert _backend.shared_memory_per_program(index) == _backend.HOPPER_SHARED_MEMORY
+        assert _backend.has_tma(index)
+    else:
+        assert 48 * 1024 <= _backend.shared_memory_per_program(index) <= _backend.HOPPER_SHARED_MEMORY
+        assert _backend.has_tma(index) == (torch.cuda.get_device_capability(index)[0] >= 9)

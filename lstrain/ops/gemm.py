@@ -52,6 +52,9 @@ _GELU = ACTIVATIONS.index("gelu")
 # About one wave of programs on the 132 SMs of an H100 / H200: launch plans stay a pure
 # function of the shape.
 _WAVE_TILES = 128
+# Shared memory per program that the 128 x 256 tiles need (Triton 3.6, bf16: up to 144 KiB on
+# sm_80, 192 KiB on sm_90); sm_86 / sm_89 parts offer 99 KiB.
+_BIG_TILE_SHARED_MEMORY = 160 * 1024
 
 
 @triton.jit
@@ -316,8 +319,11 @@ class GemmPlan:
 
 
 @functools.cache
-def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
-    """Launch settings from the problem shape (a pure function).
+def gemm_plan(
+    m: int, n: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
+) -> GemmPlan:
+    """Launch settings from the problem shape and the device's shared memory per program
+    (a pure function; ``lstrain._backend.shared_memory_per_program``).
 
     16-bit inputs (H200, bf16, twelfth session of 2026-11-30, runs 1 and 2, three to five
     interleaved rounds):
@@ -334,6 +340,11 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
       cuBLAS + eager 66), 3072 x 1024 x 4096 50 against 53, 1536^3 24 against 25.
     - Else 128 x 128 (or the next power of two of a smaller M, N) at 4 warps, 3 stages.
 
+    Devices with less than 160 KiB of shared memory per program (sm_86 / sm_89 parts such
+    as the A10, L4 or RTX 4090 have 99) always take that last plan: compiled for them by
+    Triton 3.6, the 128 x 256 tiles at 3 stages need 104-128 KiB persistent or with the
+    SwiGLU epilogues (the A100's 163 KiB holds every plan).
+
     fp32 inputs take the last plan below 2048 and K tiles of 16, the least ``tl.dot`` allows:
     each tile's products sum in one fp32 chain before joining the accumulator (see
     :func:`kahan_add`), and 16 keeps that chain's error at a 32-lane GEMV's, which is what
@@ -343,12 +354,13 @@ def gemm_plan(m: int, n: int, k: int, element_size: int) -> GemmPlan:
     tiles of 32).
     """
     block_k = 64 if element_size <= 2 else 16
-    if m >= 2048 and n >= 2048:
+    big_tiles = shared_memory >= _BIG_TILE_SHARED_MEMORY
+    if big_tiles and m >= 2048 and n >= 2048:
         return GemmPlan(128, 256, block_k, 8, num_warps=8, num_stages=4, persistent=element_size <= 2)
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_n = min(128, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    if element_size <= 2 and block_m == block_n == 128:
+    if big_tiles and element_size <= 2 and block_m == block_n == 128:
         if cdiv(m, 128) * cdiv(n, 128) <= _WAVE_TILES:
             return GemmPlan(128, 128, block_k, 8, num_warps=8, num_stages=4)
         if n >= 256:
@@ -406,9 +418,10 @@ def gemm_fwd(
     d = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return d
-    plan = plan or gemm_plan(m, n, k, a.element_size())
+    device = _backend.device_index(a)
+    plan = plan or gemm_plan(m, n, k, a.element_size(), _backend.shared_memory_per_program(device))
     c = c if c is not None and beta != 0.0 else None
-    sms = _backend.multiprocessor_count(_backend.device_index(a))
+    sms = _backend.multiprocessor_count(device)
     whole = n - n % plan.block_n
     # Persistent programs over the whole column tiles when the plan says so and there are
     # more tiles than SMs; one program per tile for the last, partial column strip.

@@ -385,14 +385,16 @@ def _block_f(plan) -> int:
 
 
 @functools.cache
-def _fwd_plan(m: int, f: int, k: int, element_size: int) -> GemmPlan:
+def _fwd_plan(
+    m: int, f: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
+) -> GemmPlan:
     """The forward's launch settings: the GEMM's for [M, K] @ [K, 2F], persistent whenever
     its tile is a pair block wide (16-bit). At mid sizes, where the plain GEMM's 128 x 256
     tiles run a program each, the SwiGLU forward ran faster persistent in every one of five
     interleaved rounds (H200, twelfth session of 2026-11-30, run 4): 1024 x 4096 -> 2 x 11008
     284-315 us against 302-337, 1536 x 2048 -> 2 x 5504 111-118 against 123-141, 1024 x 1024
     -> 2 x 2816 36 against 40-42."""
-    plan = gemm_plan(m, 2 * f, k, element_size)
+    plan = gemm_plan(m, 2 * f, k, element_size, shared_memory)
     if element_size <= 2 and _block_f(plan) == PAIR_BLOCK:
         return dataclasses.replace(plan, persistent=True)
     return plan
@@ -421,14 +423,16 @@ def swiglu_fwd(
     h = torch.empty((m, 2 * f), dtype=x2d.dtype, device=x2d.device)
     if m == 0 or f == 0:
         return a, h
-    plan = plan or _fwd_plan(m, f, k, x2d.element_size())
+    device = _backend.device_index(x2d)
+    plan = plan or _fwd_plan(m, f, k, x2d.element_size(), _backend.shared_memory_per_program(device))
     block_f = _block_f(plan)
-    sms = _backend.multiprocessor_count(_backend.device_index(x2d))
+    sms = _backend.multiprocessor_count(device)
     for first, units, tail in _launches(f):
         tiles = cdiv(m, plan.block_m) * cdiv(units, block_f)
         persistent = plan.persistent and not tail and block_f == PAIR_BLOCK
-        # TMA needs h's rows 16-byte aligned
-        h_desc = TensorDescriptor.from_tensor(h, [plan.block_m, block_f]) if persistent and f % 4 == 0 else None
+        # TMA (Hopper) needs h's rows 16-byte aligned
+        tma = persistent and f % 4 == 0 and _backend.has_tma(device)
+        h_desc = TensorDescriptor.from_tensor(h, [plan.block_m, block_f]) if tma else None
         _swiglu_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
             x2d, w_gate_up, a, h, h_desc, m, f, k, first, units,
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
@@ -476,14 +480,18 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     if m == 0 or f == 0:
         return
     dy2d, w_down = dy2d.contiguous(), w_down.contiguous()
-    plan = gemm_plan(m, f, d, dy2d.element_size())
+    device = _backend.device_index(dy2d)
+    plan = gemm_plan(m, f, d, dy2d.element_size(), _backend.shared_memory_per_program(device))
     block_f = _block_f(plan)
-    sms = _backend.multiprocessor_count(_backend.device_index(dy2d))
+    sms = _backend.multiprocessor_count(device)
     for first, units, tail in _launches(f):
         grid = (min(sms, cdiv(m, plan.block_m) * cdiv(units, 2 * block_f)),)
         quarter = block_f // 2
-        # 16-bit only, as timed; TMA needs dh's rows 16-byte aligned
-        tma = not tail and block_f == PAIR_BLOCK and dh.element_size() <= 2 and f % 4 == 0 and dh.data_ptr() % 16 == 0
+        # TMA: Hopper, 16-bit inputs (as timed), dh's rows 16-byte aligned
+        tma = (
+            not tail and block_f == PAIR_BLOCK and dh.element_size() <= 2 and f % 4 == 0
+            and dh.data_ptr() % 16 == 0 and _backend.has_tma(device)
+        )  # fmt: skip
         dh_desc = TensorDescriptor.from_tensor(dh, [plan.block_m, quarter]) if tma else None
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, dh_desc, m, f, d, first, units,

@@ -84,6 +84,10 @@ def test_launch_plan():
     assert (one_wave.block_n, one_wave.num_warps, one_wave.num_stages) == (128, 8, 4)
     narrow = gemm_plan(32768, 128, 64, 2)  # 256 tiles, too narrow for 128 x 256
     assert (narrow.block_n, narrow.num_warps, narrow.num_stages) == (128, 4, 3)
+    for smaller_shared in (101376, 99 * 1024):  # sm_86 / sm_89: 128 x 256 tiles do not fit
+        plan = gemm_plan(16384, 11008, 4096, 2, smaller_shared)
+        assert (plan.block_n, plan.num_warps, plan.num_stages, plan.persistent) == (128, 4, 3, False)
+    assert gemm_plan(16384, 11008, 4096, 2, 166912) == big  # an A100 holds the large plan
     small = gemm_plan(5, 7, 3, 4)
     assert small.block_m == 16 and small.block_n == 16 and small.block_k == 16
     assert gemm_plan(4096, 4096, 4096, 4).block_k == 16
