@@ -2,12 +2,16 @@
 
     python -m benchmarks.kernel_audit [pytest args, default: tests/ops]
     python -m benchmarks.kernel_audit --triton-path DIR tests/ops/test_gemm.py
+    python -m benchmarks.kernel_audit --arch 86 tests/ops
 
 Runs the tests through the Triton interpreter, records each distinct launch (kernel,
-argument types, constexprs, num_warps / num_stages), then compiles each one for sm_90
-with ``triton.compile`` (another Triton can be put first on the path, e.g. the GPU
-machine's version: ``pip install --target DIR triton==3.6.0``) and prints, per launch:
-shared memory, registers and spills (ptxas -v), and the 2-byte or 1-byte global loads
+argument types, constexprs, num_warps / num_stages), then compiles each one for sm_90, or
+the ``--arch`` given (80, 86, 89), with ``triton.compile`` (another Triton can be put first
+on the path, e.g. the GPU machine's version: ``pip install --target DIR triton==3.6.0``).
+With ``--arch`` the tests run as on such a device (its shared memory per program and,
+before Hopper, no TMA), so that the ops plan the launches it would get. Per launch it
+prints: shared memory, flagged when over the device's limit, registers and spills
+(ptxas -v), and the 2-byte or 1-byte global loads
 and stores in the PTX of launches whose pointers and integers are all multiples of 16,
 where 16-byte accesses were likely meant (a causal mask that cut every load to 2 bytes
 was found this way), ptxas's C7515, wgmma instructions serialized (which cost the
@@ -15,7 +19,7 @@ GEMM with a K-major B 12-22%), and, in aligned launches, wgmma operands that the
 left as synchronous loads staged through registers (``ttg.local_alloc`` of a loaded tensor
 in the TTGIR: a persistent SwiGLU forward with such an operand ran 2.4x slower; operands
 whose rows are not 16-byte aligned cannot be copied asynchronously anyway). Exit status 1
-when a launch fails to compile.
+when a launch fails to compile or needs more shared memory than the device has.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ _DTYPES = {
     "torch.bool": "i1",
 }
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
+# Shared memory per program (the opt-in maximum) of a device of each compute capability
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 def _describe(kernel, args, kwargs) -> dict:
@@ -89,11 +95,18 @@ def _describe(kernel, args, kwargs) -> dict:
     }
 
 
-def record(pytest_args: list[str]) -> list[dict]:
-    """Run pytest in this process under the interpreter; the distinct launches it made."""
+def record(pytest_args: list[str], arch: int) -> list[dict]:
+    """Run pytest in this process under the interpreter, the ops planning their launches as
+    on a device of compute capability ``arch``; the distinct launches it made."""
     os.environ["TRITON_INTERPRET"] = "1"
     import pytest
     import triton
+
+    from lstrain import _backend
+
+    # An audit-only stand-in for the device queries (the interpreter reports an H200).
+    _backend.shared_memory_per_program = lambda device_index: SHARED_MEMORY[arch]
+    _backend.has_tma = lambda device_index: arch >= 90
 
     launches: dict[str, dict] = {}
     for module_name in ("lstrain.ops", "lstrain.optim"):
@@ -121,8 +134,8 @@ def record(pytest_args: list[str]) -> list[dict]:
     return list(launches.values())
 
 
-def compile_one(launch: dict) -> dict:
-    """Compile one launch for sm_90 (in this process: TRITON_INTERPRET must be unset)."""
+def compile_one(launch: dict, arch: int) -> dict:
+    """Compile one launch for sm_<arch> (in this process: TRITON_INTERPRET must be unset)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -131,7 +144,7 @@ def compile_one(launch: dict) -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["divisible"]}
     source = ASTSource(kernel, launch["signature"], launch["constexprs"], attrs)
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch["options"])
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the audit goes on
         return {"error": str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)}
     ptx = compiled.asm["ptx"]
@@ -142,7 +155,9 @@ def compile_one(launch: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
         handle.write(ptx)
     report = subprocess.run(
-        [ptxas, "-v", "--gpu-name", "sm_90a", handle.name, "-o", os.devnull], capture_output=True, text=True
+        [ptxas, "-v", "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", handle.name, "-o", os.devnull],
+        capture_output=True,
+        text=True,
     ).stderr
     os.unlink(handle.name)
     registers = re.search(r"Used (\d+) registers", report)
@@ -167,11 +182,11 @@ def _aligned(launch: dict) -> bool:
     return all(i in launch["divisible"] or i in scalars for i in runtime)
 
 
-def _compile_in_child(launches: list[dict], triton_path: str | None) -> list[dict]:
+def _compile_in_child(launches: list[dict], triton_path: str | None, arch: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (triton_path, os.getcwd(), env.get("PYTHONPATH")) if p)
     child = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernel_audit", "--compile"],
+        [sys.executable, "-m", "benchmarks.kernel_audit", "--compile", "--arch", str(arch)],
         input=json.dumps(launches), capture_output=True, text=True, env=env,
     )  # fmt: skip
     if child.returncode != 0:
@@ -183,19 +198,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--triton-path", help="a directory holding another triton package to compile with")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
+    parser.add_argument("--arch", type=int, choices=sorted(SHARED_MEMORY), default=90, help="compute capability")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args, pytest_args = parser.parse_known_args()
     if args.compile:  # the child: launches on stdin, results on stdout
         import triton
 
         print(f"compiling with triton {triton.__version__}", file=sys.stderr)
-        print(json.dumps([compile_one(launch) for launch in json.load(sys.stdin)]))
+        print(json.dumps([compile_one(launch, args.arch) for launch in json.load(sys.stdin)]))
         return
-    launches = record(pytest_args or ["tests/ops"])
-    print(f"\n{len(launches)} distinct launches; compiling for sm_90 in {args.jobs} processes")
+    launches = record(pytest_args or ["tests/ops"], args.arch)
+    print(f"\n{len(launches)} distinct launches; compiling for sm_{args.arch} in {args.jobs} processes")
     batches = [launches[i :: args.jobs] for i in range(args.jobs)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda batch: _compile_in_child(batch, args.triton_path), batches))
+        results = list(pool.map(lambda batch: _compile_in_child(batch, args.triton_path, args.arch), batches))
     failures = 0
     rows = []
     for batch, batch_results in zip(batches, results, strict=True):
@@ -208,6 +224,9 @@ def main() -> None:
                 rows.append(f"FAILED  {name}: {result['error']}")
                 continue
             notes = []
+            if result["shared"] > SHARED_MEMORY[args.arch]:
+                failures += 1
+                notes.append(f"over sm_{args.arch}'s {SHARED_MEMORY[args.arch]} B of shared memory")
             if result["spill_bytes"]:
                 notes.append(f"spills {result['spill_bytes']} B")
             if result.get("serialized_wgmma"):
@@ -222,7 +241,7 @@ def main() -> None:
             )
     for row in sorted(rows):
         print(row)
-    print(f"{len(launches)} launches, {failures} failed to compile")
+    print(f"{len(launches)} launches, {failures} failed to compile or exceed the shared memory")
     sys.exit(1 if failures else 0)
 
 

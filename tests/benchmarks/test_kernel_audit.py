@@ -29,3 +29,17 @@ def test_compiles_for_sm90_what_a_test_launches():
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "_layer_norm_fwd_kernel" in run.stdout and " 0 failed to compile" in run.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="an audit for machines without a GPU (it drives the interpreter)")
+def test_compiles_for_another_architecture_with_its_shared_memory():
+    """--arch 86: the tests plan their launches as on an sm_86 device (99 KiB of shared
+    memory, no TMA) and the audit compiles them for sm_86 and checks them against it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_audit", "--jobs", "1", "--arch", "86", "tests/ops/test_gemm.py", "-k",
+         "beta_zero"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "compiling for sm_86" in run.stdout and "_gemm_kernel" in run.stdout and " 0 failed" in run.stdout
