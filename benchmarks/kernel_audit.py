@@ -6,7 +6,7 @@
 
 Runs the tests through the Triton interpreter, records each distinct launch (kernel,
 argument types, constexprs, num_warps / num_stages), then compiles each one for sm_90, or
-the ``--arch`` given (80, 86, 89), with ``triton.compile`` (another Triton can be put first
+the ``--arch`` given (80, 86, 89, 100, 120), with ``triton.compile`` (another Triton can be put first
 on the path, e.g. the GPU machine's version: ``pip install --target DIR triton==3.6.0``).
 With ``--arch`` the tests run as on such a device (its shared memory per program and,
 before Hopper, no TMA), so that the ops plan the launches it would get. Per launch it
@@ -48,7 +48,7 @@ _DTYPES = {
 }
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 # Shared memory per program (the opt-in maximum) of a device of each compute capability
-SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 def _describe(kernel, args, kwargs) -> dict:
@@ -151,11 +151,13 @@ def compile_one(launch: dict, arch: int) -> dict:
     ttgir = compiled.asm["ttgir"]
     staged = len(re.findall(r"ttg\.local_alloc %", ttgir)) if "warp_group_dot" in ttgir else 0
     narrow = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9_]+)*\.[bsuf](?:8|16))\b", ptx)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = os.path.join(
+        os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell" if arch >= 100 else "ptxas"
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
         handle.write(ptx)
     report = subprocess.run(
-        [ptxas, "-v", "--gpu-name", f"sm_{arch}{'a' if arch == 90 else ''}", handle.name, "-o", os.devnull],
+        [ptxas, "-v", "--gpu-name", f"sm_{arch}{'a' if arch >= 90 else ''}", handle.name, "-o", os.devnull],
         capture_output=True,
         text=True,
     ).stderr
