@@ -49,8 +49,8 @@ __all__ = [
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _GELU = ACTIVATIONS.index("gelu")
-# About one wave of programs on the 132 SMs of an H100 / H200: launch plans stay a pure
-# function of the shape.
+# About one wave of programs on the 132 SMs of an H100 / H200 (a constant: plans do not
+# depend on the SM count)
 _WAVE_TILES = 128
 # Shared memory per program that the 128 x 256 tiles need (Triton 3.6, bf16: up to 144 KiB on
 # sm_80, 192 KiB on sm_90); sm_86 / sm_89 parts offer 99 KiB.
@@ -507,7 +507,8 @@ def gemm(
         b: ``[K, N]``, same dtype; any strides. On an H200 at 16384 x 4096 x 11008 bf16,
             98.5-99.2% of cuBLAS's speed row-major and 97.1-98.3% as ``w.t()`` of a [N, K]
             weight (eleventh session of 2026-11-30, two runner runs); at mid sizes (M or N
-            below 2048, e.g. 4096 x 1024 x 4096) 82-86% of it.
+            below 2048) 86-93% of it where the tiles fill the GPU (4096 x 4096 x 1024: 92%),
+            50-77% where they do not (1024 x 1024 x 4096; twelfth session).
         c: optional ``[M, N]`` added as ``beta * c`` (never read when ``beta == 0``).
         bias: optional ``[N]``, added to every row.
         alpha, beta: scalars of the affine epilogue.

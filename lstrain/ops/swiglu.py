@@ -384,6 +384,13 @@ def _block_f(plan) -> int:
     return min(PAIR_BLOCK, max(16, plan.block_n // 2))
 
 
+def _tma_descriptor(t: torch.Tensor, block: list[int], device: int) -> TensorDescriptor | None:
+    """A TMA descriptor over the 2-D ``t`` in ``block`` tiles, or None where TMA cannot serve:
+    before Hopper, or with a base or rows not 16-byte aligned (which TensorDescriptor asserts)."""
+    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    return TensorDescriptor.from_tensor(t, block) if aligned and _backend.has_tma(device) else None
+
+
 @functools.cache
 def _fwd_plan(
     m: int, f: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
@@ -411,7 +418,7 @@ def swiglu_fwd(
     tile's epilogue), at most 3 stages: on the H200 at 16384 x 4096 -> 2 x
     11008, 4614-4802 us against 4586-4961 for a program per tile, faster in four of five
     interleaved rounds (eleventh session of 2026-11-30, run 1). Their h leaves through a
-    TMA descriptor (F a multiple of 4): 4026-4553 us against 4161-5010 without, faster in
+    TMA descriptor (16-byte aligned rows): 4026-4553 us against 4161-5010 without, faster in
     9 of 10 rounds (runs 6, 7).
 
     w_gate_up may have any strides; contiguous along K (the ``.t()`` of a [2F, D] weight)
@@ -430,9 +437,7 @@ def swiglu_fwd(
     for first, units, tail in _launches(f):
         tiles = cdiv(m, plan.block_m) * cdiv(units, block_f)
         persistent = plan.persistent and not tail and block_f == PAIR_BLOCK
-        # TMA (Hopper) needs h's rows 16-byte aligned
-        tma = persistent and f % 4 == 0 and _backend.has_tma(device)
-        h_desc = TensorDescriptor.from_tensor(h, [plan.block_m, block_f]) if tma else None
+        h_desc = _tma_descriptor(h, [plan.block_m, block_f], device) if persistent else None
         _swiglu_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
             x2d, w_gate_up, a, h, h_desc, m, f, k, first, units,
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
@@ -462,7 +467,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     (ninth session of 2026-11-30, run 3; cuBLAS's dy @ w_down^T 2016-2209 there, and the
     kernel without its epilogue 1938-2349). Prefetching the tile's h into L2 during the
     mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
-    Whole pair blocks store dh through a TMA descriptor (F a multiple of 4): median 2729 us
+    Whole pair blocks store dh through a TMA descriptor (16-bit, 16-byte aligned rows): median 2729 us
     against 2802, faster in 8 of 10 interleaved rounds; loading h through TMA as well lost
     (2865); persistent also at mid sizes, where it beat a program per tile at four shapes
     (twelfth session of 2026-11-30, runs 1 and 2). The descriptor costs host time at every
@@ -486,19 +491,19 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     sms = _backend.multiprocessor_count(device)
     for first, units, tail in _launches(f):
         grid = (min(sms, cdiv(m, plan.block_m) * cdiv(units, 2 * block_f)),)
-        quarter = block_f // 2
-        # TMA: Hopper, 16-bit inputs (as timed), dh's rows 16-byte aligned
-        tma = (
-            not tail and block_f == PAIR_BLOCK and dh.element_size() <= 2 and f % 4 == 0
-            and dh.data_ptr() % 16 == 0 and _backend.has_tma(device)
-        )  # fmt: skip
-        dh_desc = TensorDescriptor.from_tensor(dh, [plan.block_m, quarter]) if tma else None
+        whole_blocks = not tail and block_f == PAIR_BLOCK
+        # 16-bit inputs only, as timed
+        dh_desc = (
+            _tma_descriptor(dh, [plan.block_m, block_f // 2], device)
+            if whole_blocks and dh.element_size() <= 2
+            else None
+        )
         _swiglu_bwd_kernel[grid](
             dy2d, w_down, h, dh, dh_desc, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
             TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
-            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m, DH_TMA=tma,
-            num_warps=plan.num_warps, num_stages=plan.stages(True),
+            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+            DH_TMA=dh_desc is not None, num_warps=plan.num_warps, num_stages=plan.stages(True),
         )  # fmt: skip
 
 
