@@ -452,12 +452,13 @@ def gemm_cases() -> list[StepCase]:
     }
     element = 2
     cases = []
-    for m, k, n in ((16384, 4096, 11008), (4096, 4096, 1024)):
+    # large; mid size; a grid of 64 tiles that leaves SMs idle (split K)
+    for m, k, n in ((16384, 4096, 11008), (4096, 4096, 1024), (1024, 4096, 1024)):
         flops = 2 * m * n * k
         moved = (m * k + k * n + m * n) * element
         label = f"{m} x {k} x {n} bf16"
         cases.append(StepCase("gemm", label, shaped(m, k, n), plain_impls, moved, flops=flops))
-        if m == 16384:
+        if m != 4096:
             cases.append(
                 StepCase("gemm", f"{label}, B = w.t()", shaped(m, k, n, True), plain_impls, moved, flops=flops)
             )

@@ -7,7 +7,9 @@ Tiles are ordered in groups of ``group_m`` tile rows so that neighbouring progra
 tiles of ``b`` in L2. With more tiles than SMs (16-bit inputs), one persistent program per
 SM loops over the tiles whose columns all exist, its tile loop flattened into the K loop
 so that the next tile's loads overlap this tile's epilogue; a last, partial column strip
-gets a program per tile.
+gets a program per tile. With too few tiles to fill the SMs and a long K (16-bit), K is
+split over programs that write fp32 partials, and a second kernel sums them in a fixed
+order and runs the epilogue (deterministic: no atomics; :func:`split_k_plan`).
 
 Backward (when an input requires grad) recomputes the pre-activation with this kernel and
 uses cuBLAS GEMMs for the gradients.
@@ -44,6 +46,7 @@ __all__ = [
     "k_major",
     "kahan_add",
     "mainloop",
+    "split_k_plan",
     "tile_ids",
 ]
 
@@ -103,6 +106,7 @@ def mainloop(
     BLOCK_K: tl.constexpr,
     B_K_MAJOR: tl.constexpr = False,
     MASK_N: tl.constexpr = True,
+    ONE_STEP_AT_LEAST: tl.constexpr = False,
 ):
     """fp32 accumulator of A[rows, :] @ B[:, cols], edges masked.
 
@@ -121,6 +125,10 @@ def mainloop(
     the flag from w_gate_up's strides as gemm does (ptxas serialized it the same way);
     its backward keeps the plain count: its w_down^T is K-major, but ptxas did not
     serialize that kernel, and the longer count was within noise there.
+
+    ONE_STEP_AT_LEAST forces that step count for any layout: the split-K partial kernel,
+    whose K chunk is a runtime value, had every wgmma serialized (C7515) with a row-major
+    B and 128 x 128 tiles without it (Triton 3.6, sm_90, compile-level).
     """
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
@@ -128,7 +136,7 @@ def mainloop(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     compensation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
-    if B_K_MAJOR:
+    if B_K_MAJOR or ONE_STEP_AT_LEAST:
         steps = tl.maximum(steps, 1)
     for k in range(0, steps):
         k_left = K - k * BLOCK_K
@@ -296,6 +304,77 @@ def _gemm_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _split_k_partial_kernel(
+    a_ptr,
+    b_ptr,
+    partial_ptr,
+    M,
+    N,
+    K,
+    k_chunk,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,
+):
+    """fp32 partial products of one K chunk per program: program ``s * tiles + t`` writes
+    A[tile t's rows, chunk s] @ B[chunk s, tile t's columns] to partials[s]."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    split = tl.program_id(0) // tiles
+    pid_m, pid_n = tile_ids(tl.program_id(0) % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = split.to(tl.int64) * k_chunk
+    acc = mainloop(
+        a_ptr + k0 * stride_ak, b_ptr + k0 * stride_bk, rows, cols, M, N, tl.minimum(k_chunk, K - k0),
+        stride_am, stride_ak, stride_bk, stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, B_K_MAJOR,
+        ONE_STEP_AT_LEAST=True,
+    )  # fmt: skip
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(partial_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    partial_ptr,
+    c_ptr,
+    bias_ptr,
+    d_ptr,
+    M,
+    N,
+    stride_cm,
+    stride_cn,
+    stride_dm,
+    alpha,
+    beta,
+    SPLITS: tl.constexpr,
+    HAS_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """D = act(alpha * sum of the partials + beta * C + bias); the partials are summed in
+    split order, so D does not depend on which program finished first."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
+    acc = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0)
+    _epilogue(
+        acc, rows, cols, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS,
+        ACT, True,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     """Tile shape, program grouping and pipelining of one GEMM launch."""
@@ -310,6 +389,8 @@ class GemmPlan:
     # plans ran slower persistent, see gemm_plan); the SwiGLU forward sets it for every plan
     # whose tile is a pair block wide
     persistent: bool = False
+    # K split over this many programs per output tile (fp32 partials, then an epilogue kernel)
+    splits: int = 1
 
     def stages(self, persistent: bool) -> int:
         """Pipeline depth of a launch: persistent launches (their flattened loop also holds
@@ -368,6 +449,42 @@ def gemm_plan(
     return GemmPlan(block_m, block_n, block_k, 8, num_warps=4, num_stages=3)
 
 
+def split_k_plan(
+    m: int, n: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
+) -> GemmPlan | None:
+    """A plan that splits K over programs, or None where one program per output tile is
+    the better plan (a pure function, like :func:`gemm_plan`).
+
+    16-bit GEMMs whose 128 x 128 tiles leave SMs idle run a program per output tile and K
+    chunk (up to 4 chunks of at least 1024), then a second kernel sums the fp32 partials in
+    chunk order and runs the epilogue: the tile width (128 or 256) and chunk count that
+    bring the programs closest to one wave (``_WAVE_TILES``), the narrower tile on a tie
+    (fewer partials to sum). H200, bf16, thirteenth session of 2026-11-30, run 2, three
+    interleaved rounds, us with B row-major / ``w.t()`` (unsplit; cuBLAS):
+
+    - 1024 x 1024 x 4096, 128 wide x 2: 28.2 / 28.8 (36.3 / 39.5; 18.2 / 18.6)
+    - 512 x 1024 x 8192, 128 x 4: 30.8 / 31.3 (65.6 / 72.0; 24.0 / 22.4)
+    - 2048 x 1024 x 8192, 256 x 2: 59.0 / 66.6 (67.9 / 73.6; 48.0 / 48.4)
+    - 256 x 4096 x 4096, 128 x 2: 29.4 / 30.7 (36.8 / 39.9; 23.3 / 23.9)
+    - 1024 x 1024 x 2048, 128 x 2: 20.6 / 20.9 (21.6 / 23.4; 12.3 / 12.6)
+    - 512 x 4096 x 4096, 256 x 2: 37.4 / 41.8 (37.6 / 40.7), even; with a gelu epilogue
+      (run 1) 39.5 against 43.5.
+
+    Past one wave every split lost (3072 x 1024 x 4096: 65-90 against 49.5 / 54.7), and so
+    did a single launch whose last-arriving program sums the partials (2-30% slower than
+    the second kernel at every shape of run 2).
+    """
+    if element_size > 2 or shared_memory < _BIG_TILE_SHARED_MEMORY or min(m, n) <= 64:
+        return None
+    best = None
+    for block_n in (128, 256) if n >= 256 else (128,):
+        tiles = cdiv(m, 128) * cdiv(n, block_n)
+        splits = min(4, _WAVE_TILES // tiles, k // 1024)
+        if splits >= 2 and (best is None or tiles * splits > best[0]):
+            best = tiles * splits, GemmPlan(128, block_n, 64, 8, num_warps=8, num_stages=4, splits=splits)
+    return None if best is None else best[1]
+
+
 def k_major(b: torch.Tensor) -> bool:
     """Whether a [K, N] operand is contiguous along K (``w.t()`` of a row-major [N, K]
     weight): the mainloop's ``B_K_MAJOR``."""
@@ -401,6 +518,28 @@ def _launch(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan, persistent: bool
     )  # fmt: skip
 
 
+def _launch_split_k(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan) -> None:
+    """d = act(alpha * a @ b + beta * c + bias) with K split in plan.splits chunks (multiples
+    of BLOCK_K): fp32 partials [splits, M, N], then one epilogue kernel sums them in order."""
+    m, k = a.shape
+    n = b.shape[1]
+    k_chunk = cdiv(cdiv(k, plan.splits), plan.block_k) * plan.block_k
+    splits = cdiv(k, k_chunk)
+    partials = torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    tiles = cdiv(m, plan.block_m) * cdiv(n, plan.block_n)
+    _split_k_partial_kernel[(tiles * splits,)](
+        a, b, partials, m, n, k, k_chunk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+        B_K_MAJOR=k_major(b), num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    _split_k_epilogue_kernel[(cdiv(m, 64), cdiv(n, 128))](
+        partials, c, bias, d, m, n,
+        0 if c is None else c.stride(0), 0 if c is None else c.stride(1), d.stride(0), alpha, beta,
+        SPLITS=splits, HAS_C=c is not None, HAS_BIAS=bias is not None, ACT=act, BLOCK_M=64, BLOCK_N=128,
+        num_warps=4,
+    )  # fmt: skip
+
+
 def gemm_fwd(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -419,13 +558,20 @@ def gemm_fwd(
     if m == 0 or n == 0:
         return d
     device = _backend.device_index(a)
-    plan = plan or gemm_plan(m, n, k, a.element_size(), _backend.shared_memory_per_program(device))
+    if plan is None:
+        shared_memory = _backend.shared_memory_per_program(device)
+        plan = split_k_plan(m, n, k, a.element_size(), shared_memory) or gemm_plan(
+            m, n, k, a.element_size(), shared_memory
+        )
     c = c if c is not None and beta != 0.0 else None
     sms = _backend.multiprocessor_count(device)
     whole = n - n % plan.block_n
-    # Persistent programs over the whole column tiles when the plan says so and there are
-    # more tiles than SMs; one program per tile for the last, partial column strip.
-    if plan.persistent and cdiv(m, plan.block_m) * (whole // plan.block_n) > sms:
+    # K split over programs when the plan says so; else persistent programs over the whole
+    # column tiles when the plan says so and there are more tiles than SMs, one program per
+    # tile for the last, partial column strip.
+    if plan.splits > 1:
+        _launch_split_k(a, b, c, bias, d, alpha, beta, act, plan)
+    elif plan.persistent and cdiv(m, plan.block_m) * (whole // plan.block_n) > sms:
         for first, last, persistent in ((0, whole, True), (whole, n, False)):
             if first < last:
                 _launch(

@@ -4,7 +4,8 @@ from hypothesis import example, given
 
 from lstrain._backend import multiprocessor_count, record_backends
 from lstrain.ops import gemm, gemm_ref
-from lstrain.ops.gemm import gemm_plan
+from lstrain.ops.activations import activation_index
+from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan, split_k_plan
 from lstrain.ops.layout import cdiv
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
@@ -106,6 +107,60 @@ def test_persistent_launch_and_the_last_column_strip(b_layout):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
     assert_all_passed(result.comparisons, str(case))
+
+
+def test_split_k_plan():
+    """The H200 lab's shapes (thirteenth session, runs 1 and 2): split where the tiles leave SMs idle."""
+    expected = {  # (M, N, K): (tile width, chunks); None: one program per tile
+        (1024, 1024, 4096): (128, 2),
+        (512, 1024, 8192): (128, 4),
+        (2048, 1024, 8192): (256, 2),
+        (512, 4096, 4096): (256, 2),
+        (256, 4096, 4096): (128, 2),
+        (3072, 1024, 4096): None,
+        (1536, 1536, 1536): None,
+        (1024, 1024, 1024): None,  # K too short to split
+        (64, 4096, 8192): None,  # narrow: gemm_plan's smaller tiles
+    }
+    for mnk, want in expected.items():
+        plan = split_k_plan(*mnk, 2)
+        assert (plan and (plan.block_n, plan.splits)) == want, mnk
+    assert split_k_plan(1024, 1024, 4096, 4) is None  # fp32
+    assert split_k_plan(1024, 1024, 4096, 2, 99 * 1024) is None  # sm_86 / sm_89
+    assert gemm_plan(1024, 1024, 4096, 2).splits == 1  # what SwiGLU plans with
+
+
+@pytest.mark.parametrize("b_layout", ["row-major", "w.t()"])
+def test_split_k_launch(b_layout):
+    """Few output tiles and a long K: K split over programs (4 tiles of 128 x 128, K = 2100
+    in two chunks, the second partial), fp32 partials summed in split order by the epilogue
+    kernel, every epilogue term; the same bits on a second run."""
+    mnk = (256, 256, 2100)
+    assert split_k_plan(*mnk, 2).splits == 2
+    case = _case(mnk, LOW, tb=b_layout == "w.t()", c=True, bias=True, alpha=0.5, beta=0.75, act="gelu", seed=7)
+    result = CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+    a = torch.randn(256, 2100, device=DEVICE).to(LOW)
+    b = torch.randn(2100, 256, device=DEVICE).to(LOW)
+    assert torch.equal(gemm(a, b, activation="relu"), gemm(a, b, activation="relu"))
+
+
+def test_split_k_wide_tiles_ragged_edges():
+    """The 256-wide split plan with M, N off the tiles and three chunks of K = 2100 (the last
+    shorter), against one program per tile."""
+    m, n, k = 200, 300, 2100
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(m, k, generator=gen).to(DEVICE, LOW)
+    b = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, LOW).t()
+    c = torch.randn(m, n, generator=gen).to(DEVICE, LOW)
+    bias = torch.randn(n, generator=gen).to(DEVICE, LOW)
+    act = activation_index("gelu", "gemm")
+    split = GemmPlan(128, 256, 64, 8, num_warps=8, num_stages=4, splits=3)
+    d = gemm_fwd(a, b, c, bias, 0.5, 0.75, act, LOW, split)
+    expected = gemm_fwd(a, b, c, bias, 0.5, 0.75, act, torch.float32, gemm_plan(m, n, k, 2))
+    torch.testing.assert_close(d.float(), expected, rtol=2**-8, atol=2**-8)
+    torch.testing.assert_close(d, gemm_ref(a, b, c=c, bias=bias, alpha=0.5, beta=0.75, activation="gelu"))
 
 
 @pytest.mark.parametrize(
