@@ -161,16 +161,53 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
     return rows
 
 
+def step_graph_ms(step) -> float:
+    """GPU time of a forward-only step replayed from a CUDA graph (warmed up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ms = do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    del graph
+    return ms
+
+
+def step_host_us(step) -> tuple[float, float]:
+    """Host microseconds per step: the median of 200 steps each started on an idle GPU, and
+    200 back to back (see the module docstring)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        step()
+    back_to_back = (time.perf_counter() - start) / 200 * 1e6
+    single = []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        single.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(single)[len(single) // 2] * 1e6, back_to_back
+
+
 def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> list[dict]:
-    """Forward-only work (optimizer steps, GEMMs): do_bench of one call per implementation,
-    each built on fresh inputs."""
+    """Forward-only work (optimizer steps, GEMMs), each implementation built on fresh inputs:
+    do_bench of one call; for capturable cases also the GPU time of a CUDA graph replay and
+    the host time per call."""
     rows = []
     for name, build in case.implementations.items():
         if only and name not in only:
             continue
         step = build(case.make)
         step()
-        ms = do_bench(step, warmup=25, rep=200, return_mode="median")
+        call = do_bench(step, warmup=25, rep=200, return_mode="median")
+        ms = step_graph_ms(step) if case.capturable else call
+        host, host_back_to_back = step_host_us(step) if case.capturable else (float("nan"), float("nan"))
         gbs = case.min_bytes / (ms * 1e-3) / 1e9
         rows.append(
             {
@@ -178,9 +215,9 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
                 "shape": case.label,
                 "impl": name,
                 "gpu_ms": ms,
-                "call_ms": ms,
-                "host_us": float("nan"),
-                "host_us_back_to_back": float("nan"),
+                "call_ms": call,
+                "host_us": host,
+                "host_us_back_to_back": host_back_to_back,
                 "peak_mib": 0.0,
                 "transient_mib": 0.0,
                 "gbs": gbs,
@@ -191,7 +228,11 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
             }
         )
         tflops = f"  {rows[-1]['tflops']:6.1f} TFLOP/s" if case.flops else ""
-        print(f"{case.op:<18} {case.label:<36} {name:<40} {ms:8.4f} ms  {gbs:7.0f} GB/s{tflops}", flush=True)
+        print(
+            f"{case.op:<18} {case.label:<36} {name:<40} {ms:8.4f} ms (call {call:8.4f})  host {host:7.1f} us  "
+            f"{gbs:7.0f} GB/s{tflops}",
+            flush=True,
+        )
         del step
         torch.cuda.empty_cache()
     return rows

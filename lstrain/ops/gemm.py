@@ -449,6 +449,7 @@ def gemm_plan(
     return GemmPlan(block_m, block_n, block_k, 8, num_warps=4, num_stages=3)
 
 
+@functools.cache
 def split_k_plan(
     m: int, n: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
 ) -> GemmPlan | None:
