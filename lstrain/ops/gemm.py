@@ -9,7 +9,8 @@ SM loops over the tiles whose columns all exist, its tile loop flattened into th
 so that the next tile's loads overlap this tile's epilogue; a last, partial column strip
 gets a program per tile. With too few tiles to fill the SMs and a long K (16-bit), K is
 split over programs that write fp32 partials, and a second kernel sums them in a fixed
-order and runs the epilogue (deterministic: no atomics; :func:`split_k_plan`).
+order and runs the epilogue (deterministic: no atomics); narrower tiles where those
+fill the SMs instead (:func:`small_grid_plan`).
 
 Backward (when an input requires grad) recomputes the pre-activation with this kernel and
 uses cuBLAS GEMMs for the gradients.
@@ -46,7 +47,7 @@ __all__ = [
     "k_major",
     "kahan_add",
     "mainloop",
-    "split_k_plan",
+    "small_grid_plan",
     "tile_ids",
 ]
 
@@ -450,26 +451,30 @@ def gemm_plan(
 
 
 @functools.cache
-def split_k_plan(
+def small_grid_plan(
     m: int, n: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
 ) -> GemmPlan | None:
-    """A plan that splits K over programs, or None where one program per output tile is
-    the better plan (a pure function, like :func:`gemm_plan`).
+    """A plan for 16-bit GEMMs whose 128 x 128 tiles leave SMs idle, or None where
+    :func:`gemm_plan`'s is the better one (a pure function, like it).
 
-    16-bit GEMMs whose 128 x 128 tiles leave SMs idle run a program per output tile and K
-    chunk (up to 4 chunks of at least 1024), then a second kernel sums the fp32 partials in
-    chunk order and runs the epilogue: the tile width (128 or 256) and chunk count that
-    bring the programs closest to one wave (``_WAVE_TILES``), the narrower tile on a tie
-    (fewer partials to sum). H200, bf16, thirteenth session of 2026-11-30, run 2, three
-    interleaved rounds, us with B row-major / ``w.t()`` (unsplit; cuBLAS):
+    - 64 x 128 tiles (4 warps, 5 stages), a program each, when they fit one wave
+      (``_WAVE_TILES``) and either fill more than half of it or K is at most 2048.
+    - Else K split over programs (:func:`_launch_split_k`: fp32 partials, then a second
+      kernel sums them in chunk order and runs the epilogue): up to 4 chunks of at least
+      1024, 128 x 128 or 128 x 256 tiles, whichever brings the programs closest to one
+      wave, the narrower on a tie (fewer partials to sum).
 
-    - 1024 x 1024 x 4096, 128 wide x 2: 28.2 / 28.8 (36.3 / 39.5; 18.2 / 18.6)
-    - 512 x 1024 x 8192, 128 x 4: 30.8 / 31.3 (65.6 / 72.0; 24.0 / 22.4)
-    - 2048 x 1024 x 8192, 256 x 2: 59.0 / 66.6 (67.9 / 73.6; 48.0 / 48.4)
-    - 256 x 4096 x 4096, 128 x 2: 29.4 / 30.7 (36.8 / 39.9; 23.3 / 23.9)
-    - 1024 x 1024 x 2048, 128 x 2: 20.6 / 20.9 (21.6 / 23.4; 12.3 / 12.6)
-    - 512 x 4096 x 4096, 256 x 2: 37.4 / 41.8 (37.6 / 40.7), even; with a gelu epilogue
-      (run 1) 39.5 against 43.5.
+    H200, bf16, B = ``w.t()``, thirteenth session of 2026-11-30, three interleaved rounds
+    each, us (gemm_plan's tiles; split; cuBLAS):
+
+    - 64 x 128 (run 7): 1024 x 1024 x 1024 11.6 (14.8; -; 9.6), x 2048 16.9 (23.2 in run 6;
+      20.8 split in two; 12.3), x 4096 26.8 (39.1; 28.7; 18.4), 512 x 1024 x 2048 16.3
+      (-; 19.1; 10.3), 256 x 4096 x 4096 29.1 (39.8; 30.6; 23.7), 768 x 768 x 3072 21.2
+      (-; 21.8; 13.0); 5 stages beat 4 at every shape (by 0-9%), 3 lost.
+    - Split (runs 2 and 6): 512 x 1024 x 8192, 4 x 128 wide 31.3 (72.0; 64 x 128 tiles at
+      4 stages 50.6; 21.9), 512 x 512 x 4096, 4 x 128 20.9 (64 x 128 25.7; 12.5),
+      2048 x 1024 x 8192, 2 x 256 wide 66.6 (73.6; 48.4); B row-major alike. The partial
+      kernel alone took 24.5 of the split's 28.3 us at 1024 x 1024 x 4096 (run 6).
 
     Past one wave every split lost (3072 x 1024 x 4096: 65-90 against 49.5 / 54.7), and so
     did a single launch whose last-arriving program sums the partials (2-30% slower than
@@ -477,6 +482,9 @@ def split_k_plan(
     """
     if element_size > 2 or shared_memory < _BIG_TILE_SHARED_MEMORY or min(m, n) <= 64:
         return None
+    narrow_tiles = cdiv(m, 64) * cdiv(n, 128)
+    if narrow_tiles <= _WAVE_TILES and (2 * narrow_tiles > _WAVE_TILES or k <= 2048):
+        return GemmPlan(64, 128, 64, 8, num_warps=4, num_stages=5)
     best = None
     for block_n in (128, 256) if n >= 256 else (128,):
         tiles = cdiv(m, 128) * cdiv(n, block_n)
@@ -561,7 +569,7 @@ def gemm_fwd(
     device = _backend.device_index(a)
     if plan is None:
         shared_memory = _backend.shared_memory_per_program(device)
-        plan = split_k_plan(m, n, k, a.element_size(), shared_memory) or gemm_plan(
+        plan = small_grid_plan(m, n, k, a.element_size(), shared_memory) or gemm_plan(
             m, n, k, a.element_size(), shared_memory
         )
     c = c if c is not None and beta != 0.0 else None

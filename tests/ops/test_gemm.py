@@ -5,7 +5,7 @@ from hypothesis import example, given
 from lstrain._backend import multiprocessor_count, record_backends
 from lstrain.ops import gemm, gemm_ref
 from lstrain.ops.activations import activation_index
-from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan, split_k_plan
+from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan, small_grid_plan
 from lstrain.ops.layout import cdiv
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
@@ -109,24 +109,27 @@ def test_persistent_launch_and_the_last_column_strip(b_layout):
     assert_all_passed(result.comparisons, str(case))
 
 
-def test_split_k_plan():
-    """The H200 lab's shapes (thirteenth session, runs 1 and 2): split where the tiles leave SMs idle."""
-    expected = {  # (M, N, K): (tile width, chunks); None: one program per tile
-        (1024, 1024, 4096): (128, 2),
-        (512, 1024, 8192): (128, 4),
-        (2048, 1024, 8192): (256, 2),
-        (512, 4096, 4096): (256, 2),
-        (256, 4096, 4096): (128, 2),
+def test_small_grid_plan():
+    """The H200 labs' shapes (thirteenth session, runs 2, 6 and 7): 64-row tiles where they
+    fill the SMs or K is short, else K split where 128-row tiles leave SMs idle."""
+    expected = {  # (M, N, K): (tile rows, tile columns, chunks); None: gemm_plan's plan
+        (1024, 1024, 1024): (64, 128, 1),
+        (1024, 1024, 4096): (64, 128, 1),
+        (256, 4096, 4096): (64, 128, 1),
+        (512, 1024, 2048): (64, 128, 1),  # half a wave, but a short K
+        (512, 1024, 8192): (128, 128, 4),
+        (512, 512, 4096): (128, 128, 4),
+        (2048, 1024, 8192): (128, 256, 2),
+        (512, 4096, 4096): (128, 256, 2),
         (3072, 1024, 4096): None,
         (1536, 1536, 1536): None,
-        (1024, 1024, 1024): None,  # K too short to split
         (64, 4096, 8192): None,  # narrow: gemm_plan's smaller tiles
     }
     for mnk, want in expected.items():
-        plan = split_k_plan(*mnk, 2)
-        assert (plan and (plan.block_n, plan.splits)) == want, mnk
-    assert split_k_plan(1024, 1024, 4096, 4) is None  # fp32
-    assert split_k_plan(1024, 1024, 4096, 2, 99 * 1024) is None  # sm_86 / sm_89
+        plan = small_grid_plan(*mnk, 2)
+        assert (plan and (plan.block_m, plan.block_n, plan.splits)) == want, mnk
+    assert small_grid_plan(1024, 1024, 4096, 4) is None  # fp32
+    assert small_grid_plan(1024, 1024, 4096, 2, 99 * 1024) is None  # sm_86 / sm_89
     assert gemm_plan(1024, 1024, 4096, 2).splits == 1  # what SwiGLU plans with
 
 
@@ -136,7 +139,7 @@ def test_split_k_launch(b_layout):
     in two chunks, the second partial), fp32 partials summed in split order by the epilogue
     kernel, every epilogue term; the same bits on a second run."""
     mnk = (256, 256, 2100)
-    assert split_k_plan(*mnk, 2).splits == 2
+    assert small_grid_plan(*mnk, 2).splits == 2
     case = _case(mnk, LOW, tb=b_layout == "w.t()", c=True, bias=True, alpha=0.5, beta=0.75, act="gelu", seed=7)
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
