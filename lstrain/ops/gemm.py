@@ -457,7 +457,7 @@ def small_grid_plan(
     """A plan for 16-bit GEMMs whose 128 x 128 tiles leave SMs idle, or None where
     :func:`gemm_plan`'s is the better one (a pure function, like it).
 
-    - 64 x 128 tiles (4 warps, 5 stages), a program each, when they fit one wave
+    - 64 x 128 tiles (8 warps, 5 stages), a program each, when they fit one wave
       (``_WAVE_TILES``) and either fill more than half of it or K is at most 2048.
     - Else K split over programs (:func:`_launch_split_k`: fp32 partials, then a second
       kernel sums them in chunk order and runs the epilogue): up to 4 chunks of at least
@@ -467,12 +467,13 @@ def small_grid_plan(
     H200, bf16, B = ``w.t()``, thirteenth session of 2026-11-30, three interleaved rounds
     each, us (gemm_plan's tiles; split; cuBLAS):
 
-    - 64 x 128 (run 7): 1024 x 1024 x 1024 11.6 (14.8; -; 9.6), x 2048 16.9 (23.2 in run 6;
-      20.8 split in two; 12.3), x 4096 26.8 (39.1; 28.7; 18.4), 512 x 1024 x 2048 16.3
-      (-; 19.1; 10.3), 256 x 4096 x 4096 29.1 (39.8; 30.6; 23.7), 768 x 768 x 3072 21.2
-      (-; 21.8; 13.0); 5 stages beat 4 at every shape (by 0-9%), 3 lost.
-    - Split (runs 2 and 6): 512 x 1024 x 8192, 4 x 128 wide 31.3 (72.0; 64 x 128 tiles at
-      4 stages 50.6; 21.9), 512 x 512 x 4096, 4 x 128 20.9 (64 x 128 25.7; 12.5),
+    - 64 x 128 (runs 7 and 9): 1024 x 1024 x 1024 12.0 (14.8; -; 9.8), x 2048 17.2 (23.2;
+      20.9 in two; 12.5), x 4096 27.4 (39.1; 28.9; 18.7), 512 x 1024 x 2048 16.7 (-; 19.4;
+      10.4), 256 x 4096 x 4096 29.6 (39.8; 30.6; 24.4). 8 warps against 4: the bias + gelu
+      epilogue 10-13% faster (1024 x 1024 x 4096 29.6 against 32.9; the split 30.8), the
+      plain product 0-3% slower; 5 stages beat 4 (by 0-9%) and 3.
+    - Split (runs 2 and 6): 512 x 1024 x 8192, 4 x 128 wide 31.3 (72.0; 64 x 128 / 4 warps
+      / 4 stages 50.6; 21.9), 512 x 512 x 4096, 4 x 128 20.9 (64 x 128 / 4 / 5 25.7; 12.5),
       2048 x 1024 x 8192, 2 x 256 wide 66.6 (73.6; 48.4); B row-major alike. The partial
       kernel alone took 24.5 of the split's 28.3 us at 1024 x 1024 x 4096 (run 6).
 
@@ -484,7 +485,7 @@ def small_grid_plan(
         return None
     narrow_tiles = cdiv(m, 64) * cdiv(n, 128)
     if narrow_tiles <= _WAVE_TILES and (2 * narrow_tiles > _WAVE_TILES or k <= 2048):
-        return GemmPlan(64, 128, 64, 8, num_warps=4, num_stages=5)
+        return GemmPlan(64, 128, 64, 8, num_warps=8, num_stages=5)
     best = None
     for block_n in (128, 256) if n >= 256 else (128,):
         tiles = cdiv(m, 128) * cdiv(n, block_n)
