@@ -664,7 +664,9 @@ def gemm(
             98.5-99.2% of cuBLAS's speed row-major and 97.1-98.3% as ``w.t()`` of a [N, K]
             weight (eleventh session of 2026-11-30, two runner runs); at mid sizes (M or N
             below 2048) 86-93% of it where the tiles fill the GPU (4096 x 4096 x 1024: 92%),
-            50-77% where they do not (1024 x 1024 x 4096; twelfth session).
+            62-82% where 128 x 128 tiles would not (64-row tiles or K split there,
+            :func:`small_grid_plan`; 1024 x 1024 x 4096: 76% row-major, 68% as ``w.t()``;
+            thirteenth session).
         c: optional ``[M, N]`` added as ``beta * c`` (never read when ``beta == 0``).
         bias: optional ``[N]``, added to every row.
         alpha, beta: scalars of the affine epilogue.
