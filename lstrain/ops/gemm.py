@@ -338,7 +338,8 @@ def _split_k_partial_kernel(
         ONE_STEP_AT_LEAST=True,
     )  # fmt: skip
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(partial_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
+    plane = split.to(tl.int64) * M * N  # int64: S x M x N partials may pass 2**31 elements
+    tl.store(partial_ptr + plane + rows[:, None] * N + cols[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -367,9 +368,10 @@ def _split_k_epilogue_kernel(
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows[:, None] * N + cols[None, :]
+    plane = tl.cast(M, tl.int64) * N
     acc = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
     for split in tl.static_range(1, SPLITS):
-        acc += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0)
+        acc += tl.load(partial_ptr + split * plane + offsets, mask=mask, other=0.0)
     _epilogue(
         acc, rows, cols, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS,
         ACT, True,
