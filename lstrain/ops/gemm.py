@@ -318,6 +318,7 @@ def _split_k_partial_kernel(
     stride_ak,
     stride_bk,
     stride_bn,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -334,7 +335,7 @@ def _split_k_partial_kernel(
     k0 = split.to(tl.int64) * k_chunk
     acc = mainloop(
         a_ptr + k0 * stride_ak, b_ptr + k0 * stride_bk, rows, cols, M, N, tl.minimum(k_chunk, K - k0),
-        stride_am, stride_ak, stride_bk, stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, B_K_MAJOR,
+        stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, B_K_MAJOR,
         ONE_STEP_AT_LEAST=True,
     )  # fmt: skip
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -541,8 +542,8 @@ def _launch_split_k(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan) -> None:
     tiles = cdiv(m, plan.block_m) * cdiv(n, plan.block_n)
     _split_k_partial_kernel[(tiles * splits,)](
         a, b, partials, m, n, k, k_chunk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-        B_K_MAJOR=k_major(b), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        IEEE=a.dtype == torch.float32, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        GROUP_M=plan.group_m, B_K_MAJOR=k_major(b), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     _split_k_epilogue_kernel[(cdiv(m, 64), cdiv(n, 128))](
         partials, c, bias, d, m, n,
@@ -563,7 +564,8 @@ def gemm_fwd(
     out_dtype: torch.dtype,
     plan: GemmPlan | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel on validated 2-D operands; returns D [M, N] in ``out_dtype``."""
+    """Launch the kernel(s) on validated 2-D operands; returns D [M, N] in ``out_dtype``.
+    ``plan`` None: :func:`small_grid_plan`'s where it has one, else :func:`gemm_plan`'s."""
     m, k = a.shape
     n = b.shape[1]
     d = torch.empty((m, n), dtype=out_dtype, device=a.device)

@@ -164,6 +164,11 @@ def test_split_k_wide_tiles_ragged_edges():
     expected = gemm_fwd(a, b, c, bias, 0.5, 0.75, act, torch.float32, gemm_plan(m, n, k, 2))
     torch.testing.assert_close(d.float(), expected, rtol=2**-8, atol=2**-8)
     torch.testing.assert_close(d, gemm_ref(a, b, c=c, bias=bias, alpha=0.5, beta=0.75, activation="gelu"))
+    # an explicit split plan keeps fp32 products full fp32 (IEEE), as gemm does for fp32 input
+    a32, b32 = a.float(), b.float()
+    split32 = GemmPlan(64, 64, 16, 8, num_warps=4, num_stages=3, splits=3)
+    d32 = gemm_fwd(a32, b32, None, None, 1.0, 0.0, -1, torch.float32, split32)
+    torch.testing.assert_close(d32, a32.double().matmul(b32.double()).float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
