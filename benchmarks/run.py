@@ -50,20 +50,43 @@ def _grad_tensors(inputs: dict, names: list[str]) -> list[torch.Tensor]:
     return [inputs[n] for n in names]
 
 
-def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float:
-    tensors = _grad_tensors(inputs, grad_names)
+def graph_replay_ms(step) -> float:
+    """GPU time of ``step()`` replayed from a CUDA graph (warmed up on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            torch.autograd.grad(fn(**inputs), tensors, dy)
+            step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.autograd.grad(fn(**inputs), tensors, dy)
+        step()
     ms = do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
     del graph
     return ms
+
+
+def host_us(step) -> tuple[float, float]:
+    """Host microseconds per ``step()``: the median of 200 calls each started on an idle
+    GPU, and 200 back to back (see the module docstring)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        step()
+    back_to_back = (time.perf_counter() - start) / 200 * 1e6
+    single = []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        single.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(single)[len(single) // 2] * 1e6, back_to_back
+
+
+def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float:
+    tensors = _grad_tensors(inputs, grad_names)
+    return graph_replay_ms(lambda: torch.autograd.grad(fn(**inputs), tensors, dy))
 
 
 def call_ms_host_us_peak(
@@ -79,20 +102,7 @@ def call_ms_host_us_peak(
     for _ in range(3):
         call()
     ms = do_bench(call, warmup=25, rep=200, grad_to_none=tensors, return_mode="median")
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(200):
-        call()
-    host_us_back_to_back = (time.perf_counter() - start) / 200 * 1e6
-    torch.cuda.synchronize()
-    single = []
-    for _ in range(200):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        single.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    host_us = sorted(single)[len(single) // 2] * 1e6
+    host, host_back_to_back = host_us(call)
     for t in tensors:
         t.grad = None
     torch.cuda.empty_cache()
@@ -102,7 +112,7 @@ def call_ms_host_us_peak(
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
     grads_mib = sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None) / 2**20
-    return ms, host_us, host_us_back_to_back, peak_mib, peak_mib - grads_mib
+    return ms, host, host_back_to_back, peak_mib, peak_mib - grads_mib
 
 
 def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[dict]:
@@ -161,40 +171,6 @@ def run_case(case: BenchCase, bandwidth: float, only: set[str] | None) -> list[d
     return rows
 
 
-def step_graph_ms(step) -> float:
-    """GPU time of a forward-only step replayed from a CUDA graph (warmed up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    ms = do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
-    del graph
-    return ms
-
-
-def step_host_us(step) -> tuple[float, float]:
-    """Host microseconds per step: the median of 200 steps each started on an idle GPU, and
-    200 back to back (see the module docstring)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(200):
-        step()
-    back_to_back = (time.perf_counter() - start) / 200 * 1e6
-    single = []
-    for _ in range(200):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        single.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return sorted(single)[len(single) // 2] * 1e6, back_to_back
-
-
 def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> list[dict]:
     """Forward-only work (optimizer steps, GEMMs), each implementation built on fresh inputs:
     do_bench of one call; for capturable cases also the GPU time of a CUDA graph replay and
@@ -206,8 +182,8 @@ def run_step_case(case: StepCase, bandwidth: float, only: set[str] | None) -> li
         step = build(case.make)
         step()
         call = do_bench(step, warmup=25, rep=200, return_mode="median")
-        ms = step_graph_ms(step) if case.capturable else call
-        host, host_back_to_back = step_host_us(step) if case.capturable else (float("nan"), float("nan"))
+        ms = graph_replay_ms(step) if case.capturable else call
+        host, host_back_to_back = host_us(step) if case.capturable else (float("nan"), float("nan"))
         gbs = case.min_bytes / (ms * 1e-3) / 1e9
         rows.append(
             {
