@@ -678,7 +678,9 @@ def gemm(
         out_dtype: dtype of D (default a's dtype); the accumulator is fp32 until the store.
 
     Returns:
-        D, ``[M, N]`` contiguous.
+        D, ``[M, N]`` contiguous. Where K is split (16-bit, few output tiles) the call also
+        holds an fp32 workspace of the partial products while it runs: at most 128
+        programs' tiles of 128 x 256, 16 MiB.
 
     Raises:
         ValueError: operands not 2-D, inner dims that differ, mixed dtypes or devices, a
