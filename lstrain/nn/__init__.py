@@ -5,6 +5,7 @@ from lstrain.nn.bias_dropout import BiasActDropout, BiasDropoutResidual
 from lstrain.nn.cross_entropy import CrossEntropyLoss
 from lstrain.nn.embedding import TransformerEmbedding, sinusoidal_positions
 from lstrain.nn.layer_norm import LayerNorm
+from lstrain.nn.linear import Linear
 from lstrain.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from lstrain.nn.swiglu import SwiGLUMLP
 
@@ -14,6 +15,7 @@ __all__ = [
     "BiasDropoutResidual",
     "CrossEntropyLoss",
     "LayerNorm",
+    "Linear",
     "LinearCrossEntropyLoss",
     "SwiGLUMLP",
     "TransformerEmbedding",

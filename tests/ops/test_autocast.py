@@ -43,6 +43,23 @@ def test_swiglu_module_with_fp32_parameters():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mlp.parameters())
 
 
+def test_linear_module_with_fp32_parameters():
+    """As torch.nn.Linear under autocast: output in autocast's dtype (the fp32 bias joins the
+    fp32 accumulator), fp32 gradients for the fp32 weight and bias."""
+    torch.manual_seed(0)
+    linear = lnn.Linear(16, 12, activation="gelu").to(DEVICE)
+    x = torch.randn(2, 5, 16, device=DEVICE)
+    with _autocast():
+        y = linear(x)
+    assert y.dtype == AUTOCAST_DTYPE and y.shape == (2, 5, 12)
+    expected = ops.gemm(
+        x.reshape(10, 16).to(AUTOCAST_DTYPE), linear.weight.t().to(AUTOCAST_DTYPE), bias=linear.bias, activation="gelu"
+    )
+    torch.testing.assert_close(y, expected.reshape(2, 5, 12))
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in linear.parameters())
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cross_entropy_with_fp32_weight(bias):
     gen = torch.Generator().manual_seed(0)

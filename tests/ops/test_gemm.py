@@ -2,12 +2,13 @@ import pytest
 import torch
 from hypothesis import example, given
 
+import lstrain
 from lstrain._backend import multiprocessor_count, record_backends
 from lstrain.ops import gemm, gemm_ref
 from lstrain.ops.activations import activation_index
 from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan, small_grid_plan
 from lstrain.ops.layout import cdiv
-from lstrain.testing import assert_all_passed
+from lstrain.testing import assert_all_passed, check_module
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import gemm_cases
 from tests.conftest import DEVICE, EXPECTED_BACKEND
@@ -231,3 +232,40 @@ def test_empty_k_leaves_the_epilogue(device, b_layout):
         d = gemm(a, b, c=c, bias=bias, alpha=3.0, beta=0.5, activation="relu")
     assert ran == [("gemm", EXPECTED_BACKEND)]  # the kernel ran, not the reference
     torch.testing.assert_close(d, torch.relu(0.5 * c + bias))
+
+
+class _LinearThenActivation(torch.nn.Linear):
+    """The plain-PyTorch pair that ``lstrain.nn.Linear(..., activation=...)`` replaces."""
+
+    def __init__(self, *args, activation, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = activation
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.activation == "gelu_tanh":
+            return torch.nn.functional.gelu(y, approximate="tanh")
+        return y if self.activation is None else getattr(torch.nn.functional, self.activation)(y)
+
+
+@pytest.mark.parametrize("activation, bias", [(None, True), ("gelu", True), ("relu", False), ("silu", True)])
+def test_linear_module_is_a_drop_in(device, activation, bias):
+    """Same state_dict as torch.nn.Linear; output, input and parameter gradients against
+    torch.nn.Linear followed by the activation, any leading shape."""
+    ours = lstrain.nn.Linear(24, 40, bias=bias, device=device, activation=activation)
+    theirs = _LinearThenActivation(24, 40, bias=bias, device=device, activation=activation)
+    assert ours.state_dict().keys() == torch.nn.Linear(24, 40, bias=bias).state_dict().keys()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 5, 24, device=device)
+    with record_backends() as ran:
+        assert_all_passed(check_module(ours, theirs, x))
+    assert ran and {b for _, b in ran} == {EXPECTED_BACKEND}
+    assert ours(torch.randn(24, device=device)).shape == (40,)
+    assert f"activation={activation}" in repr(ours)
+
+
+def test_linear_module_errors():
+    with pytest.raises(ValueError, match="activation"):
+        lstrain.nn.Linear(4, 4, activation="tanh")
+    with pytest.raises(ValueError, match="in_features=4"):
+        lstrain.nn.Linear(4, 4)(torch.randn(2, 6))  # 12 values: a reshape to [3, 4] would pass
