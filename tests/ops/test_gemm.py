@@ -264,6 +264,13 @@ def test_linear_module_is_a_drop_in(device, activation, bias):
     assert f"activation={activation}" in repr(ours)
 
 
+def test_linear_module_torch_compile_fullgraph(device):
+    linear = lstrain.nn.Linear(16, 8, device=device, activation="gelu")
+    compiled = torch.compile(linear, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x = torch.randn(2, 3, 16, device=device)
+    torch.testing.assert_close(compiled(x), linear(x))
+
+
 def test_linear_module_errors():
     with pytest.raises(ValueError, match="activation"):
         lstrain.nn.Linear(4, 4, activation="tanh")
