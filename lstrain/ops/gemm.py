@@ -634,15 +634,22 @@ class GemmFunction(torch.autograd.Function):
         refuse_create_graph("gemm")
         a, b, c, bias = ctx.saved_tensors
         alpha, beta, act = ctx.options
-        fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd
-        dz = dd.float()
+        dz = dd
         if act >= 0:
+            fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd
             z = fwd(a, b, c, bias, alpha, beta, -1, torch.float32)
-            dz = dz * activation_slope_ref(ACTIVATIONS[act], z)
-        da = (alpha * dz).to(a.dtype) @ b.t() if ctx.needs_input_grad[0] else None
-        db = a.t() @ (alpha * dz).to(b.dtype) if ctx.needs_input_grad[1] else None
-        dc = (beta * dz).to(c.dtype) if c is not None and ctx.needs_input_grad[2] else None
-        dbias = dz.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+            dz = dd.float() * activation_slope_ref(ACTIVATIONS[act], z)
+        da = db = dc = dbias = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # rounded once to the operands' dtype for cuBLAS; no copy for a plain Linear's
+            # backward (alpha 1, dd already in that dtype)
+            dp = dz.to(a.dtype) if alpha == 1.0 else (alpha * dz.float()).to(a.dtype)
+            da = dp @ b.t() if ctx.needs_input_grad[0] else None
+            db = a.t() @ dp if ctx.needs_input_grad[1] else None
+        if c is not None and ctx.needs_input_grad[2]:
+            dc = dz.to(c.dtype) if beta == 1.0 else (beta * dz.float()).to(c.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype)
         return da, db, dc, dbias, None, None, None, None
 
 
