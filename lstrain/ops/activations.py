@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ACTIVATIONS", "activation_index", "activation_ref", "activation_slope_ref", "apply_activation"]
+__all__ = ["ACTIVATIONS", "activation_index", "activation_ref", "apply_activation"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 
@@ -34,21 +34,6 @@ def activation_ref(name: str | None, z: torch.Tensor) -> torch.Tensor:
     if name == "gelu_tanh":
         return torch.nn.functional.gelu(z, approximate="tanh")
     return {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "silu": torch.nn.functional.silu}[name](z)
-
-
-def activation_slope_ref(name: str | None, z: torch.Tensor) -> torch.Tensor:
-    """act'(z) in plain PyTorch, the same formulas as the kernels'."""
-    if name is None:
-        return torch.ones_like(z)
-    if name == "gelu":
-        return 0.5 * (1 + torch.erf(z * 0.5**0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
-    if name == "gelu_tanh":
-        t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z**3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * z * z)
-    if name == "relu":
-        return (z > 0).to(z.dtype)
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
 
 
 @triton.jit

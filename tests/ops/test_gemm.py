@@ -60,6 +60,22 @@ def test_relu_epilogue_propagates_nan(device):
     assert torch.isnan(d[3]).all() and not torch.isnan(d[:3]).any()
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_activation_backward_from_the_stored_preactivation(device, activation):
+    """Backward takes act'(z) from the pre-activation the forward stored: the gradient of a
+    sum arrives expanded (strides 0), fp32 operands (z kept in fp32) against autograd
+    through gemm_ref."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(37, 24, generator=gen).to(device).requires_grad_()
+    b = torch.randn(24, 45, generator=gen).to(device).requires_grad_()
+    bias = torch.randn(45, generator=gen).to(device).requires_grad_()
+    gemm(a, b, bias=bias, alpha=0.5, activation=activation).sum().backward()
+    inputs = [t.detach().double().requires_grad_() for t in (a, b, bias)]
+    gemm_ref(inputs[0], inputs[1], bias=inputs[2], alpha=0.5, activation=activation).sum().backward()
+    for ours, ref in zip((a, b, bias), inputs, strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_beta_zero_never_reads_c(device):
     a, b = torch.randn(16, 8, device=device), torch.randn(8, 12, device=device)
     c = torch.full((16, 12), float("nan"), device=device)
