@@ -19,6 +19,7 @@ from lstrain.ops import (
     bias_dropout_residual,
     cross_entropy,
     embedding,
+    gemm,
     layer_norm,
     linear_cross_entropy,
     swiglu_mlp,
@@ -315,6 +316,36 @@ def _swiglu_mlp_case(tokens: int, dim: int, hidden: int, dtype: torch.dtype, tar
     return BenchCase("swiglu_mlp", label, make, ["x", "w_gate_up", "w_down"], impls, min_bytes, target_ms, flops)
 
 
+def linear_gelu_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    """A Linear layer followed by GELU, forward and backward, as ``lstrain.nn.Linear(...,
+    activation="gelu")`` runs it (the epilogue keeps the pre-activation for backward) and as
+    ``nn.Linear`` + ``nn.GELU`` do: an MLP's up projection at 16384 tokens, 4096 -> 11008,
+    and at 4096 tokens, 1024 -> 4096."""
+    cases = []
+    for tokens, dim, hidden in ((16384, 4096, 11008), (4096, 1024, 4096)):
+
+        def make(tokens=tokens, dim=dim, hidden=hidden):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(tokens, dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            weight = torch.randn(hidden, dim, device="cuda", dtype=dtype, generator=gen) * dim**-0.5
+            bias = torch.randn(hidden, device="cuda", dtype=dtype, generator=gen)
+            return {"x": x, "weight": weight.requires_grad_(), "bias": bias.requires_grad_()}
+
+        def ours(x, weight, bias):
+            return gemm(x, weight.t(), bias=bias, activation="gelu")
+
+        def eager(x, weight, bias):
+            return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
+
+        element = torch.finfo(dtype).bits // 8
+        min_bytes = (tokens * dim + hidden * dim + tokens * hidden) * element * 2
+        impls = {"lstrain": ours, "eager": eager, "torch.compile": eager}
+        flops = 3 * 2 * tokens * dim * hidden  # forward, and the two GEMMs of backward
+        label = f"{tokens} x {dim} -> {hidden}"
+        cases.append(BenchCase("linear_gelu", label, make, ["x", "weight", "bias"], impls, min_bytes, None, flops))
+    return cases
+
+
 REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "attention_softmax": attention_softmax_cases,
@@ -323,6 +354,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "cross_entropy": cross_entropy_cases,
     "embedding": embedding_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
+    "linear_gelu": linear_gelu_cases,
     "swiglu_mlp": swiglu_mlp_cases,
 }
 
