@@ -836,7 +836,11 @@ def gemm(
     _backend.note("gemm", backend)
     if backend == "reference":
         return gemm_ref(a, b, c=c, bias=bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype)
-    return GemmFunction.apply(a, b, c, bias, float(alpha), float(beta), act, out_dtype)
+    options = (float(alpha), float(beta), act, out_dtype)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c, bias)):
+        return GemmFunction.apply(a, b, c, bias, *options)
+    # nothing to differentiate (inference, no_grad): no autograd node, no pre-activation kept
+    return (_gemm_op if torch.compiler.is_compiling() else gemm_fwd)(a, b, c, bias, *options)
 
 
 def gemm_ref(

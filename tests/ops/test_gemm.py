@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -74,6 +76,22 @@ def test_activation_backward_from_the_stored_preactivation(device, activation):
     gemm_ref(inputs[0], inputs[1], bias=inputs[2], alpha=0.5, activation=activation).sum().backward()
     for ours, ref in zip((a, b, bias), inputs, strict=True):
         torch.testing.assert_close(ours.grad, ref.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_preactivation_kept_only_for_backward(device, monkeypatch):
+    """Inference (no_grad, or no input requiring grad) keeps no pre-activation."""
+    gemm_module = importlib.import_module("lstrain.ops.gemm")  # lstrain.ops.gemm is also the function
+    a = torch.randn(8, 4, device=device)
+    b = torch.randn(4, 6, device=device, requires_grad=True)
+    kept = []
+    saving = gemm_module.gemm_fwd_saving_preactivation
+    monkeypatch.setattr(gemm_module, "gemm_fwd_saving_preactivation", lambda *args: kept.append(1) or saving(*args))
+    with torch.no_grad():
+        gemm(a, b, activation="gelu")
+    gemm(a, b.detach(), activation="gelu")
+    assert not kept
+    gemm(a, b, activation="gelu").sum().backward()
+    assert kept and b.grad is not None
 
 
 def test_beta_zero_never_reads_c(device):
