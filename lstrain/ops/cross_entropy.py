@@ -795,6 +795,8 @@ def cross_entropy(
             reduction=reduction,
             z_loss=z_loss,
         )
+    if not torch.is_grad_enabled():  # nothing will be differentiated: no gradient in forward
+        logits = logits.detach()
     loss = CrossEntropyFunction.apply(
         logits, target, float(label_smoothing), int(ignore_index), float(z_loss), reduction, inplace_backward
     )

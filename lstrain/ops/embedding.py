@@ -745,6 +745,8 @@ def embedding(
                              dropout=dropout if active else 0.0, padding_idx=padding_idx)  # fmt: skip
     if active and seed is None:
         seed = new_seed(weight.device)
+    if not torch.is_grad_enabled():  # nothing will be differentiated: no row counts in forward
+        weight, pos_weight = weight.detach(), None if pos_weight is None else pos_weight.detach()
     return EmbeddingFunction.apply(
         tokens,
         weight,

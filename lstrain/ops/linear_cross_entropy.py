@@ -291,6 +291,8 @@ def linear_cross_entropy(
             hidden, weight, target, bias, label_smoothing=label_smoothing, ignore_index=ignore_index,
             reduction=reduction, z_loss=z_loss,
         )  # fmt: skip
+    if not torch.is_grad_enabled():  # nothing will be differentiated: no gradients in forward
+        hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
     loss = LinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, float(label_smoothing), int(ignore_index), float(z_loss), reduction,
         chunk_bytes, _fp32_sum(fp32_weight_grad, hidden, weight, chunk_bytes),

@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -332,3 +334,19 @@ def test_offsets_beyond_int32():
     )
     expected = torch.softmax(x, -1) - torch.nn.functional.one_hot(target[tail], vocab)
     torch.testing.assert_close(grad[tail].float(), expected, atol=1e-3, rtol=2e-2)
+
+
+def test_no_gradient_under_no_grad(device, monkeypatch):
+    """Under torch.no_grad the forward writes no gradient, not even in place, for logits that
+    require grad."""
+    module = importlib.import_module("lstrain.ops.cross_entropy")
+    scales = []
+    loss_and_gradient = module.loss_and_gradient
+    monkeypatch.setattr(module, "loss_and_gradient", lambda *args: scales.append(args[3]) or loss_and_gradient(*args))
+    logits = torch.randn(6, 11, device=device, requires_grad=True)
+    before = logits.detach().clone()
+    target = torch.randint(0, 11, (6,), device=device)
+    with torch.no_grad():
+        loss = cross_entropy(logits, target, inplace_backward=True)
+    assert scales == [None] and torch.equal(logits.detach(), before)
+    torch.testing.assert_close(loss, cross_entropy_ref(logits.detach(), target))

@@ -1,3 +1,4 @@
+import importlib
 import math
 
 import pytest
@@ -220,3 +221,17 @@ def test_custom_ops_pass_opcheck(device):
 def test_gather_plan_tiles_about_1024_elements_on_two_warps(dim, rows, cols):
     plan = gather_plan(dim)
     assert (plan.block_rows, plan.block_cols, plan.num_warps) == (rows, cols, 2)
+
+
+def test_no_row_counts_under_no_grad(device, monkeypatch):
+    """Under torch.no_grad the forward takes no per-row counts for a table that requires grad."""
+    module = importlib.import_module("lstrain.ops.embedding")
+    counted = []
+    embedding_fwd = module.embedding_fwd
+    monkeypatch.setattr(module, "embedding_fwd", lambda *args: counted.append(args[-1]) or embedding_fwd(*args))
+    weight = torch.randn(30, 8, device=device, requires_grad=True)
+    tokens = torch.randint(0, 30, (2, 5), device=device)
+    with torch.no_grad():
+        y = embedding(tokens, weight)
+    assert counted == [False]
+    torch.testing.assert_close(y, embedding_ref(tokens, weight.detach()))

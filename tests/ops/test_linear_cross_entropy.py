@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,3 +221,20 @@ def test_memory_stays_near_one_chunk():
     logits_bytes = tokens * vocab * 2  # 512 MiB that eager would hold (plus its fp32 copies)
     assert extra < 64 * 2**20 * 2 + 2 * tokens * dim * 2 + 2**20, extra
     assert extra < logits_bytes / 3
+
+
+def test_no_gradients_under_no_grad(device, monkeypatch):
+    """An evaluation under torch.no_grad computes no gradient in forward, though the weight
+    (a parameter) requires grad; the loss is the same."""
+    module = importlib.import_module("lstrain.ops.linear_cross_entropy")
+    built = []
+    chunk_gradients = module._ChunkGradients
+    monkeypatch.setattr(module, "_ChunkGradients", lambda *args: built.append(args[2]) or chunk_gradients(*args))
+    hidden = torch.randn(12, 16, device=device)
+    weight = torch.randn(40, 16, device=device, requires_grad=True)
+    target = torch.randint(0, 40, (12,), device=device)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, target)
+    assert not built
+    torch.testing.assert_close(loss, linear_cross_entropy(hidden, weight, target).detach())
+    assert built  # with grad enabled the forward does fold the weight's gradient in
