@@ -318,7 +318,7 @@ def _swiglu_mlp_case(tokens: int, dim: int, hidden: int, dtype: torch.dtype, tar
 
 def linear_gelu_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """A Linear layer followed by GELU, forward and backward, as ``lstrain.nn.Linear(...,
-    activation="gelu")`` runs it (its backward recomputes the pre-activation) and as
+    activation="gelu")`` runs it (its forward also stores the pre-activation) and as
     ``nn.Linear`` + ``nn.GELU`` do: an MLP's up projection at 16384 tokens, 4096 -> 11008,
     and at 4096 tokens, 1024 -> 4096."""
     cases = []

@@ -20,9 +20,9 @@ class Linear(torch.nn.Linear):
     ``Linear(d, 4 * d, activation="gelu")``, whose checkpoint keys drop the ``0.``).
     The weight enters the GEMM as ``weight.t()``, a view (:func:`lstrain.ops.gemm` takes
     any strides). Backward uses cuBLAS for the gradients; without an activation it is
-    torch.nn.Linear's backward. With one, it recomputes the pre-activation with one more
-    GEMM rather than keep an ``[tokens, out_features]`` tensor from forward: less memory
-    than ``nn.Linear`` + activation, one GEMM more in backward.
+    torch.nn.Linear's backward. With one, the forward also stores the pre-activation (as
+    torch keeps ``nn.Linear``'s output for the activation module after it) and one pass
+    forms its gradient.
 
     Args:
         in_features, out_features, bias, device, dtype: as for ``torch.nn.Linear``.

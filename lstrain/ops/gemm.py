@@ -12,8 +12,10 @@ split over programs that write fp32 partials, and a second kernel sums them in a
 order and runs the epilogue (deterministic: no atomics); narrower tiles where those
 fill the SMs instead (:func:`small_grid_plan`).
 
-Backward (when an input requires grad) recomputes the pre-activation with this kernel and
-uses cuBLAS GEMMs for the gradients.
+Backward uses cuBLAS GEMMs for the gradients. With an activation, the forward epilogue
+also stores the pre-activation z when an input requires grad (in D's dtype, as torch
+keeps a Linear's output for the activation after it), and one pass turns dD into
+dz = dD * act'(z).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from lstrain.ops.activations import (
     ACTIVATIONS,
     activation_index,
     activation_ref,
-    activation_slope_ref,
     apply_activation,
 )
 from lstrain.ops.autocast import autocast_inputs
@@ -41,7 +42,9 @@ __all__ = [
     "GemmFunction",
     "GemmPlan",
     "gemm",
+    "activation_grad",
     "gemm_fwd",
+    "gemm_fwd_saving_preactivation",
     "gemm_plan",
     "gemm_ref",
     "k_major",
@@ -163,6 +166,7 @@ def _gemm_tile(
     c_ptr,
     bias_ptr,
     d_ptr,
+    z_ptr,
     M,
     N,
     K,
@@ -186,9 +190,11 @@ def _gemm_tile(
     B_K_MAJOR: tl.constexpr,
     MASK_N: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr,
+    STORE_Z: tl.constexpr,
 ):
     """Output tile ``tile`` (see :func:`tile_ids`); MASK_N=False: all its columns exist;
-    SPLIT_EPILOGUE: the epilogue runs on the tile's two column halves in turn."""
+    SPLIT_EPILOGUE: the epilogue runs on the tile's two column halves in turn; STORE_Z:
+    the pre-activation is stored too (see :func:`_epilogue`)."""
     pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,17 +208,17 @@ def _gemm_tile(
         left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
         half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         _epilogue(
-            left, rows, half, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C,
-            HAS_BIAS, ACT, MASK_N,
+            left, rows, half, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta,
+            HAS_C, HAS_BIAS, ACT, MASK_N, STORE_Z,
         )  # fmt: skip
         _epilogue(
-            right, rows, half + BLOCK_N // 2, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha,
-            beta, HAS_C, HAS_BIAS, ACT, MASK_N,
+            right, rows, half + BLOCK_N // 2, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, stride_cm, stride_cn, stride_dm,
+            alpha, beta, HAS_C, HAS_BIAS, ACT, MASK_N, STORE_Z,
         )  # fmt: skip
     else:
         _epilogue(
-            acc, rows, cols, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C,
-            HAS_BIAS, ACT, MASK_N,
+            acc, rows, cols, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C,
+            HAS_BIAS, ACT, MASK_N, STORE_Z,
         )  # fmt: skip
 
 
@@ -224,6 +230,7 @@ def _epilogue(
     c_ptr,
     bias_ptr,
     d_ptr,
+    z_ptr,
     M,
     N,
     stride_cm,
@@ -235,8 +242,11 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
     MASK_N: tl.constexpr,
+    STORE_Z: tl.constexpr,
 ):
-    """D[rows, cols] = act(alpha * acc + beta * C + bias), in fp32, rounded at the store."""
+    """D[rows, cols] = act(alpha * acc + beta * C + bias), in fp32, rounded at the store.
+    STORE_Z: the pre-activation z (everything but act) is stored too, in D's layout and
+    dtype, for backward's act'(z) (as torch keeps a Linear's output for its activation)."""
     if MASK_N:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
     else:
@@ -247,6 +257,8 @@ def _epilogue(
         z += tl.cast(beta, tl.float32) * c.to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if STORE_Z:
+        tl.store(z_ptr + rows[:, None] * stride_dm + cols[None, :], z.to(z_ptr.dtype.element_ty), mask=mask)
     d, _ = apply_activation(z, ACT)
     tl.store(d_ptr + rows[:, None] * stride_dm + cols[None, :], d.to(d_ptr.dtype.element_ty), mask=mask)
 
@@ -258,6 +270,7 @@ def _gemm_kernel(
     c_ptr,
     bias_ptr,
     d_ptr,
+    z_ptr,
     M,
     N,
     K,
@@ -281,11 +294,13 @@ def _gemm_kernel(
     B_K_MAJOR: tl.constexpr,
     PERSISTENT: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr,
+    STORE_Z: tl.constexpr,
 ):
-    """D = act(alpha * (a @ b) + beta * c + bias). PERSISTENT (N a multiple of BLOCK_N): each
-    program loops over tiles, the tile loop flattened into the K loop so that the next
-    tile's loads start during this tile's epilogue; B is then masked along K only, which
-    keeps a row-major B's loads asynchronous copies (see ``mainloop``'s MASK_N).
+    """D = act(alpha * (a @ b) + beta * c + bias), and its pre-activation where STORE_Z.
+    PERSISTENT (N a multiple of BLOCK_N): each program loops over tiles, the tile loop
+    flattened into the K loop so that the next tile's loads start during this tile's
+    epilogue; B is then masked along K only, which keeps a row-major B's loads
+    asynchronous copies (see ``mainloop``'s MASK_N).
     SPLIT_EPILOGUE: the epilogue in two column halves (gelu: on the H200 at 16384 x 4096 x
     11008, bias + gelu persistent 2543-2683 us in halves against 2744-2935 in one piece over
     five interleaved rounds; gelu_tanh and silu were slower in halves in every round)."""
@@ -293,15 +308,15 @@ def _gemm_kernel(
         tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
             _gemm_tile(
-                tile, a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, B_K_MAJOR, False, SPLIT_EPILOGUE,
+                tile, a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+                stride_bn, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, B_K_MAJOR, False, SPLIT_EPILOGUE, STORE_Z,
             )  # fmt: skip
     else:
         _gemm_tile(
-            tl.program_id(0), a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+            tl.program_id(0), a_ptr, b_ptr, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, K, stride_am, stride_ak, stride_bk,
             stride_bn, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS, ACT, IEEE, BLOCK_M, BLOCK_N,
-            BLOCK_K, GROUP_M, B_K_MAJOR, True, SPLIT_EPILOGUE,
+            BLOCK_K, GROUP_M, B_K_MAJOR, True, SPLIT_EPILOGUE, STORE_Z,
         )  # fmt: skip
 
 
@@ -349,6 +364,7 @@ def _split_k_epilogue_kernel(
     c_ptr,
     bias_ptr,
     d_ptr,
+    z_ptr,
     M,
     N,
     stride_cm,
@@ -360,6 +376,7 @@ def _split_k_epilogue_kernel(
     HAS_C: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    STORE_Z: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -374,9 +391,47 @@ def _split_k_epilogue_kernel(
     for split in tl.static_range(1, SPLITS):
         acc += tl.load(partial_ptr + split * plane + offsets, mask=mask, other=0.0)
     _epilogue(
-        acc, rows, cols, c_ptr, bias_ptr, d_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C, HAS_BIAS,
-        ACT, True,
+        acc, rows, cols, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta, HAS_C,
+        HAS_BIAS, ACT, True, STORE_Z,
     )  # fmt: skip
+
+
+@triton.jit
+def _activation_grad_kernel(
+    dd_ptr,
+    z_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_ddm,
+    stride_ddn,
+    scale,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out = scale * dD * act'(z) in fp32, rounded at the store (z and out [M, N] contiguous;
+    dD any strides: the gradient of a sum arrives expanded)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dd = tl.load(dd_ptr + rows[:, None] * stride_ddm + cols[None, :] * stride_ddn, mask=mask, other=0.0)
+    z = tl.load(z_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    _, slope = apply_activation(z.to(tl.float32), ACT)
+    out = tl.cast(scale, tl.float32) * dd.to(tl.float32) * slope
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def activation_grad(dd: torch.Tensor, z: torch.Tensor, act: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * dd * act'(z)`` [M, N] in ``dtype``, one pass (z: the pre-activation that
+    :func:`gemm_fwd_saving_preactivation` stored)."""
+    out = torch.empty(z.shape, dtype=dtype, device=z.device)
+    m, n = z.shape
+    if m and n:
+        _activation_grad_kernel[(cdiv(m, 16), cdiv(n, 256))](
+            dd, z, out, m, n, dd.stride(0), dd.stride(1), scale, ACT=act, BLOCK_M=16, BLOCK_N=256, num_warps=4
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -504,13 +559,14 @@ def k_major(b: torch.Tensor) -> bool:
     return b.stride(0) == 1 and b.stride(1) != 1
 
 
-def _launch(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan, persistent: bool, sms: int) -> None:
-    """One launch of the kernel over d = act(alpha * a @ b + beta * c + bias) (c None: not read)."""
+def _launch(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan, persistent: bool, sms: int) -> None:
+    """One launch of the kernel over d = act(alpha * a @ b + beta * c + bias) (c None: not
+    read; z None: the pre-activation is not stored)."""
     m, k = a.shape
     n = b.shape[1]
     tiles = cdiv(m, plan.block_m) * cdiv(n, plan.block_n)
     _gemm_kernel[(min(sms, tiles) if persistent else tiles,)](
-        a, b, c, bias, d,
+        a, b, c, bias, d, z,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         0 if c is None else c.stride(0), 0 if c is None else c.stride(1), d.stride(0),
@@ -526,12 +582,13 @@ def _launch(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan, persistent: bool
         B_K_MAJOR=k_major(b),
         PERSISTENT=persistent,
         SPLIT_EPILOGUE=act == _GELU and plan.block_n >= 64,
+        STORE_Z=z is not None,
         num_warps=plan.num_warps,
         num_stages=plan.stages(persistent),
     )  # fmt: skip
 
 
-def _launch_split_k(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan) -> None:
+def _launch_split_k(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan) -> None:
     """d = act(alpha * a @ b + beta * c + bias) with K split in plan.splits chunks (multiples
     of BLOCK_K): fp32 partials [splits, M, N], then one epilogue kernel sums them in order."""
     m, k = a.shape
@@ -546,10 +603,10 @@ def _launch_split_k(a, b, c, bias, d, alpha, beta, act, plan: GemmPlan) -> None:
         GROUP_M=plan.group_m, B_K_MAJOR=k_major(b), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     _split_k_epilogue_kernel[(cdiv(m, 64), cdiv(n, 128))](
-        partials, c, bias, d, m, n,
+        partials, c, bias, d, z, m, n,
         0 if c is None else c.stride(0), 0 if c is None else c.stride(1), d.stride(0), alpha, beta,
-        SPLITS=splits, HAS_C=c is not None, HAS_BIAS=bias is not None, ACT=act, BLOCK_M=64, BLOCK_N=128,
-        num_warps=4,
+        SPLITS=splits, HAS_C=c is not None, HAS_BIAS=bias is not None, ACT=act, STORE_Z=z is not None, BLOCK_M=64,
+        BLOCK_N=128, num_warps=4,
     )  # fmt: skip
 
 
@@ -566,11 +623,35 @@ def gemm_fwd(
 ) -> torch.Tensor:
     """Launch the kernel(s) on validated 2-D operands; returns D [M, N] in ``out_dtype``.
     ``plan`` None: :func:`small_grid_plan`'s where it has one, else :func:`gemm_plan`'s."""
+    d = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    _gemm_into(a, b, c, bias, d, None, alpha, beta, act, plan)
+    return d
+
+
+def gemm_fwd_saving_preactivation(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    act: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gemm_fwd` that also returns the pre-activation ``alpha * a @ b + beta * c +
+    bias`` (in ``out_dtype``, from the same epilogue) for the activation's backward."""
+    d = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    z = torch.empty_like(d)
+    _gemm_into(a, b, c, bias, d, z, alpha, beta, act, None)
+    return d, z
+
+
+def _gemm_into(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan | None) -> None:
+    """d (and z, when given: the pre-activation) = the GEMM with its epilogue."""
     m, k = a.shape
     n = b.shape[1]
-    d = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
-        return d
+        return
     device = _backend.device_index(a)
     if plan is None:
         shared_memory = _backend.shared_memory_per_program(device)
@@ -584,18 +665,17 @@ def gemm_fwd(
     # column tiles when the plan says so and there are more tiles than SMs, one program per
     # tile for the last, partial column strip.
     if plan.splits > 1:
-        _launch_split_k(a, b, c, bias, d, alpha, beta, act, plan)
+        _launch_split_k(a, b, c, bias, d, z, alpha, beta, act, plan)
     elif plan.persistent and cdiv(m, plan.block_m) * (whole // plan.block_n) > sms:
         for first, last, persistent in ((0, whole, True), (whole, n, False)):
             if first < last:
                 _launch(
                     a, b[:, first:last], None if c is None else c[:, first:last],
-                    None if bias is None else bias[first:last], d[:, first:last], alpha, beta, act, plan, persistent,
-                    sms,
+                    None if bias is None else bias[first:last], d[:, first:last],
+                    None if z is None else z[:, first:last], alpha, beta, act, plan, persistent, sms,
                 )  # fmt: skip
     else:
-        _launch(a, b, c, bias, d, alpha, beta, act, plan, False, sms)
-    return d
+        _launch(a, b, c, bias, d, z, alpha, beta, act, plan, False, sms)
 
 
 @torch.library.custom_op("lstrain::gemm", mutates_args=())
@@ -617,38 +697,80 @@ def _(a, b, c, bias, alpha, beta, act, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+@torch.library.custom_op("lstrain::gemm_saving_preactivation", mutates_args=())
+def _gemm_saving_preactivation_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    act: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gemm_fwd_saving_preactivation(a, b, c, bias, alpha, beta, act, out_dtype)
+
+
+@_gemm_saving_preactivation_op.register_fake
+def _(a, b, c, bias, alpha, beta, act, out_dtype):
+    d = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+    return d, torch.empty_like(d)
+
+
+@torch.library.custom_op("lstrain::gemm_activation_grad", mutates_args=())
+def _activation_grad_op(dd: torch.Tensor, z: torch.Tensor, act: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return activation_grad(dd, z, act, scale, dtype)
+
+
+@_activation_grad_op.register_fake
+def _(dd, z, act, scale, dtype):
+    return z.new_empty(z.shape, dtype=dtype)
+
+
 class GemmFunction(torch.autograd.Function):
-    """Autograd for :func:`gemm`: backward recomputes the pre-activation z and applies
-    dz = dD * act'(z), then dA = alpha dz B^T, dB = alpha A^T dz, dC = beta dz, dbias = sum dz."""
+    """Autograd for :func:`gemm`. With an activation the forward also stores the
+    pre-activation z (when an input needs a gradient), and backward turns dD into
+    dz = dD * act'(z) in one pass; then dA = alpha dz B^T, dB = alpha A^T dz (cuBLAS),
+    dC = beta dz, dbias = sum dz."""
 
     @staticmethod
     def forward(ctx, a, b, c, bias, alpha, beta, act, out_dtype):
-        fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd
-        d = fwd(a, b, c, bias, alpha, beta, act, out_dtype)
-        ctx.save_for_backward(a, b, c, bias)
+        compiling = torch.compiler.is_compiling()
+        z = None
+        if act >= 0 and any(ctx.needs_input_grad[:4]):
+            fwd = _gemm_saving_preactivation_op if compiling else gemm_fwd_saving_preactivation
+            d, z = fwd(a, b, c, bias, alpha, beta, act, out_dtype)
+        else:
+            d = (_gemm_op if compiling else gemm_fwd)(a, b, c, bias, alpha, beta, act, out_dtype)
+        ctx.save_for_backward(a, b, c, bias, z)
         ctx.options = (alpha, beta, act)
         return d
 
     @staticmethod
     def backward(ctx, dd):
         refuse_create_graph("gemm")
-        a, b, c, bias = ctx.saved_tensors
+        a, b, c, bias, z = ctx.saved_tensors
         alpha, beta, act = ctx.options
-        dz = dd
+        need_a, need_b, need_c, need_bias = ctx.needs_input_grad[:4]
+        need_c, need_bias = need_c and c is not None, need_bias and bias is not None
         if act >= 0:
-            fwd = _gemm_op if torch.compiler.is_compiling() else gemm_fwd
-            z = fwd(a, b, c, bias, alpha, beta, -1, torch.float32)
-            dz = dd.float() * activation_slope_ref(ACTIVATIONS[act], z)
+            grad = functools.partial(
+                _activation_grad_op if torch.compiler.is_compiling() else activation_grad, dd, z, act
+            )
+        else:  # dz = dD: scaled and cast only where needed (a Linear's backward copies nothing)
+
+            def grad(scale, dtype):
+                return dd.to(dtype) if scale == 1.0 else (scale * dd.float()).to(dtype)
+
         da = db = dc = dbias = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            # rounded once to the operands' dtype for cuBLAS; no copy for a plain Linear's
-            # backward (alpha 1, dd already in that dtype)
-            dp = dz.to(a.dtype) if alpha == 1.0 else (alpha * dz.float()).to(a.dtype)
-            da = dp @ b.t() if ctx.needs_input_grad[0] else None
-            db = a.t() @ dp if ctx.needs_input_grad[1] else None
-        if c is not None and ctx.needs_input_grad[2]:
-            dc = dz.to(c.dtype) if beta == 1.0 else (beta * dz.float()).to(c.dtype)
-        if bias is not None and ctx.needs_input_grad[3]:
+        if need_a or need_b:
+            dp = grad(alpha, a.dtype)  # alpha dz, rounded once to the operands' dtype for cuBLAS
+            da = dp @ b.t() if need_a else None
+            db = a.t() @ dp if need_b else None
+        if need_c:
+            dc = grad(beta, c.dtype)
+        if need_bias:
+            dz = dp if (need_a or need_b) and alpha == 1.0 else grad(1.0, torch.float32)
             dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype)
         return da, db, dc, dbias, None, None, None, None
 

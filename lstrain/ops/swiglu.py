@@ -149,12 +149,14 @@ def _swiglu_fwd_tile(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
+    STORE_H: tl.constexpr,
     H_TMA: tl.constexpr,
 ):
     """Tile ``tile`` of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a.
-    H_TMA: a whole pair block's h leaves through ``h_desc`` (a [BLOCK_M, BLOCK_F] TMA
-    descriptor over h), asynchronously from shared memory, so that a persistent program
-    starts the next tile's mainloop while the store drains."""
+    STORE_H=False (nothing to differentiate): h is not written, only a. H_TMA: a whole
+    pair block's h leaves through ``h_desc`` (a [BLOCK_M, BLOCK_F] TMA descriptor over h),
+    asynchronously from shared memory, so that a persistent program starts the next
+    tile's mainloop while the store drains."""
     pid_m, pid_n = tile_ids(tile, M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -170,14 +172,14 @@ def _swiglu_fwd_tile(
             x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
             IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K, B_K_MAJOR, MASK_N=False,
         )  # fmt: skip
-        h_tile = acc.to(h_ptr.dtype.element_ty)
+        h_tile = acc.to(a_ptr.dtype.element_ty)
         h_gate, h_up = _halves(h_tile, BLOCK_M, BLOCK_F)
-        if H_TMA:  # in halves: one [BLOCK_M, 2 * BLOCK_F] staging buffer overflows shared memory
+        if STORE_H and H_TMA:  # in halves: one [BLOCK_M, 2 * BLOCK_F] staging buffer overflows shared memory
             row0 = (pid_m * BLOCK_M).to(tl.int32)
             col0 = gate_col.to(tl.int32)
             h_desc.store([row0, col0], h_gate)
             h_desc.store([row0, col0 + BLOCK_F], h_up)
-        else:
+        elif STORE_H:
             tl.store(h_ptr + rows[:, None] * (2 * F) + cols[None, :], h_tile, mask=(rows < M)[:, None])
     else:
         # The last, partial pair block (its up columns start at a run-time offset) or
@@ -188,11 +190,12 @@ def _swiglu_fwd_tile(
             x_ptr, w_ptr, rows, gate_cols, up_offset, unit_ok, unit_ok, M, K, stride_xm, stride_xk, stride_wk,
             stride_wn, IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
         )  # fmt: skip
-        h_gate = acc_gate.to(h_ptr.dtype.element_ty)
-        h_up = acc_up.to(h_ptr.dtype.element_ty)
-        h_ptrs = h_ptr + rows[:, None] * (2 * F) + gate_cols[None, :]
-        tl.store(h_ptrs, h_gate, mask=mask)
-        tl.store(h_ptrs + up_offset, h_up, mask=mask)
+        h_gate = acc_gate.to(a_ptr.dtype.element_ty)
+        h_up = acc_up.to(a_ptr.dtype.element_ty)
+        if STORE_H:
+            h_ptrs = h_ptr + rows[:, None] * (2 * F) + gate_cols[None, :]
+            tl.store(h_ptrs, h_gate, mask=mask)
+            tl.store(h_ptrs + up_offset, h_up, mask=mask)
     # SwiGLU on the rounded h, the values whose derivative backward takes.
     gate = h_gate.to(tl.float32)
     a = gate * tl.sigmoid(gate) * h_up.to(tl.float32)
@@ -225,6 +228,7 @@ def _swiglu_fwd_kernel(
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    STORE_H: tl.constexpr,
     H_TMA: tl.constexpr,
 ):
     """h = x @ w_gate_up and a over units [first_unit, first_unit + units_here): whole pair
@@ -232,18 +236,20 @@ def _swiglu_fwd_kernel(
     gemm's ``mainloop``). PERSISTENT: each program loops over tiles, the tile loop flattened
     into the K loop so that the next tile's loads start during this tile's epilogue (whole
     pair blocks only: the other tiles' column masks would leave B's loads synchronous).
-    H_TMA: see :func:`_swiglu_fwd_tile`."""
+    STORE_H, H_TMA: see :func:`_swiglu_fwd_tile`."""
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, BLOCK_F)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
             _swiglu_fwd_tile(
                 tile, x_ptr, w_ptr, a_ptr, h_ptr, h_desc, M, F, K, first_unit, units_here, stride_xm, stride_xk,
-                stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, H_TMA,
+                stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, STORE_H,
+                H_TMA,
             )  # fmt: skip
     else:
         _swiglu_fwd_tile(
             tl.program_id(0), x_ptr, w_ptr, a_ptr, h_ptr, h_desc, M, F, K, first_unit, units_here, stride_xm,
-            stride_xk, stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, H_TMA,
+            stride_xk, stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, STORE_H,
+            H_TMA,
         )  # fmt: skip
 
 
@@ -408,10 +414,11 @@ def _fwd_plan(
 
 
 def swiglu_fwd(
-    x2d: torch.Tensor, w_gate_up: torch.Tensor, plan: GemmPlan | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x2d: torch.Tensor, w_gate_up: torch.Tensor, plan: GemmPlan | None = None, store_h: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype
-    (``plan``: the GEMM's launch settings, by default :func:`_fwd_plan`'s).
+    (``plan``: the GEMM's launch settings, by default :func:`_fwd_plan`'s; ``store_h``
+    False: h, which only backward needs, is neither allocated nor written, and is None).
 
     Under a persistent plan (``plan.persistent``) whole pair blocks run as persistent
     programs, their tile loop flattened into the K loop (the next tile's loads overlap this
@@ -427,7 +434,7 @@ def swiglu_fwd(
     m, k = x2d.shape
     f = w_gate_up.shape[1] // 2
     a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
-    h = torch.empty((m, 2 * f), dtype=x2d.dtype, device=x2d.device)
+    h = torch.empty((m, 2 * f), dtype=x2d.dtype, device=x2d.device) if store_h else None
     if m == 0 or f == 0:
         return a, h
     device = _backend.device_index(x2d)
@@ -437,13 +444,13 @@ def swiglu_fwd(
     for first, units, tail in _launches(f):
         tiles = cdiv(m, plan.block_m) * cdiv(units, block_f)
         persistent = plan.persistent and not tail and block_f == PAIR_BLOCK
-        h_desc = _tma_descriptor(h, [plan.block_m, block_f], device) if persistent else None
+        h_desc = _tma_descriptor(h, [plan.block_m, block_f], device) if persistent and store_h else None
         _swiglu_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
             x2d, w_gate_up, a, h, h_desc, m, f, k, first, units,
             x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent, H_TMA=h_desc is not None,
+            B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent, STORE_H=store_h, H_TMA=h_desc is not None,
             num_warps=plan.num_warps, num_stages=plan.stages(persistent),
         )  # fmt: skip
     return a, h
@@ -516,6 +523,16 @@ def _fwd_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, t
 def _(x2d, w_gate_up):
     f = w_gate_up.shape[1] // 2
     return x2d.new_empty((x2d.shape[0], f)), x2d.new_empty((x2d.shape[0], 2 * f))
+
+
+@torch.library.custom_op("lstrain::swiglu_fwd_activation", mutates_args=())
+def _fwd_activation_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    return swiglu_fwd(x2d, w_gate_up, store_h=False)[0]
+
+
+@_fwd_activation_op.register_fake
+def _(x2d, w_gate_up):
+    return x2d.new_empty((x2d.shape[0], w_gate_up.shape[1] // 2))
 
 
 @torch.library.custom_op("lstrain::swiglu_bwd", mutates_args=())
@@ -646,7 +663,15 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     _backend.note("swiglu_mlp", backend)
     if backend == "reference":
         return swiglu_mlp_ref(x, w_gate_up, w_down)
-    return SwiGLUFunction.apply(x, w_gate_up, w_down)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate_up, w_down)):
+        return SwiGLUFunction.apply(x, w_gate_up, w_down)
+    # nothing to differentiate (inference, no_grad): no h kept for backward, no autograd node
+    x2d = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        a = _fwd_activation_op(x2d, w_gate_up)
+    else:
+        a, _ = swiglu_fwd(x2d, w_gate_up, store_h=False)
+    return (a @ w_down).view(*x.shape[:-1], w_down.shape[1])
 
 
 def swiglu_mlp_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

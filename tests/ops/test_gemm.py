@@ -62,8 +62,9 @@ def test_relu_epilogue_propagates_nan(device):
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
 def test_activation_backward_of_an_expanded_gradient(device, activation):
-    """The gradient of a sum arrives expanded (strides 0); fp32 operands, bias and alpha,
-    against autograd through gemm_ref in fp64."""
+    """Backward takes act'(z) from the pre-activation the forward stored; the gradient of a
+    sum arrives expanded (strides 0); fp32 operands, bias and alpha, against autograd
+    through gemm_ref in fp64."""
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(37, 24, generator=gen).to(device).requires_grad_()
     b = torch.randn(24, 45, generator=gen).to(device).requires_grad_()

@@ -6,7 +6,7 @@ import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import swiglu_mlp, swiglu_mlp_ref
 from lstrain.ops.gemm import gemm_plan
-from lstrain.ops.swiglu import PAIR_BLOCK, _fwd_plan, pack_gate_up, unpack_gate_up
+from lstrain.ops.swiglu import PAIR_BLOCK, SwiGLUFunction, _fwd_plan, pack_gate_up, swiglu_fwd, unpack_gate_up
 from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import swiglu_cases
@@ -128,8 +128,45 @@ def test_torch_compile_fullgraph(device):
 def test_custom_ops_pass_opcheck(device):
     x, w, wd = torch.randn(5, 8, device=device), torch.randn(8, 12, device=device), torch.randn(6, 8, device=device)
     torch.library.opcheck(torch.ops.lstrain.swiglu_fwd, (x, w))
+    torch.library.opcheck(torch.ops.lstrain.swiglu_fwd_activation, (x, w))
     _, h = torch.ops.lstrain.swiglu_fwd(x, w)
     torch.library.opcheck(torch.ops.lstrain.swiglu_bwd, (torch.randn(5, 8, device=device), wd, h))
+
+
+@pytest.mark.parametrize("tokens, intermediate", [(5, 300), (4096, 1068)])
+def test_inference_writes_no_h(device, monkeypatch, tokens, intermediate):
+    """Under no_grad (or with nothing requiring grad) the forward runs without an autograd
+    node and without writing h; its output is bit for bit the training forward's. 4096
+    tokens: the 16-bit persistent launch whose h would leave through TMA."""
+    low = torch.bfloat16 if device == "cuda" else torch.float16
+    dtype = torch.float32 if tokens < 100 else low
+    gen = torch.Generator(device=device).manual_seed(4)
+    shapes = ((tokens, 16), (16, 2 * intermediate), (intermediate, 16))
+    x, w, wd = (torch.randn(s, device=device, generator=gen).to(dtype) for s in shapes)
+    applied = []
+    apply = SwiGLUFunction.apply
+    monkeypatch.setattr(SwiGLUFunction, "apply", lambda *args: applied.append(1) or apply(*args))
+    with torch.no_grad():
+        y = swiglu_mlp(x, w.requires_grad_(), wd)
+    y_plain = swiglu_mlp(x, w.detach(), wd)
+    assert not applied
+    y_trained = swiglu_mlp(x, w, wd)
+    assert applied and y_trained.requires_grad
+    assert torch.equal(y, y_trained) and torch.equal(y_plain, y_trained)
+    a, h = swiglu_fwd(x, w.detach(), store_h=False)
+    assert h is None and torch.equal(a, swiglu_fwd(x, w.detach())[0])
+
+
+def test_torch_compile_fullgraph_inference(device):
+    w, wd = torch.randn(8, 12, device=device), torch.randn(6, 8, device=device)
+
+    def f(x):
+        return swiglu_mlp(x, w, wd)
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), f(x))
 
 
 def test_reference_is_the_familiar_mlp(device):
