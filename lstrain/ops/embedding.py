@@ -4,9 +4,9 @@ Backward touches in fp32 only the table rows that tokens look up. The forward ke
 which reads every id anyway, also counts how many tokens look up each row (integer
 atomics: the same counts in any order); with the counts, rows nobody looked up are written
 as zeros and a row looked up once takes its token's gradient directly. By default a row
-looked up by several tokens sums their gradients with fp32 atomic adds into one of its
-tokens' slots (cast to the weight's dtype at the end): fast, but the summation order,
-hence the last bits, vary from run to run. The deterministic mode (on when
+looked up by several tokens sums their gradients with atomic adds into one of its tokens'
+slots (fp32, or fp64 for an fp32 table; cast to the weight's dtype at the end): fast, but
+the summation order, hence the last bits, can vary from run to run. The deterministic mode (on when
 ``torch.are_deterministic_algorithms_enabled()``, or asked for) sorts the ids instead and
 sums each run of equal ids in token order, a frequent token's run in parallel chunks
 combined in order: the same bits on every run. The position table's gradient, when
@@ -180,14 +180,16 @@ def _scatter_phase(
         g *= tl.cast(scale, tl.float32)
         table_row = table_ptr + ids[:, None] * dim + col[None, :]
         tl.store(table_row, g.to(table_ptr.dtype.element_ty), mask=alone[:, None] & col_ok)
-        tl.store(sums_ptr + token[:, None] * dim + col[None, :], g, mask=owns[:, None] & col_ok)
+        tl.store(
+            sums_ptr + token[:, None] * dim + col[None, :], g.to(sums_ptr.dtype.element_ty), mask=owns[:, None] & col_ok
+        )
     elif PHASE == 1:
         later = shared & (owner != token)
         if tl.max(later.to(tl.int32), axis=0) > 0:  # most tiles: skip the dropout draws
             g = _tile_gradient(dy_ptr, seed_ptr, token, col, later[:, None] & col_ok, dim, p, DROPOUT, BLOCK_DIM)
             g *= tl.cast(scale, tl.float32)
             owner_sums = sums_ptr + owner[:, None] * dim + col[None, :]
-            tl.atomic_add(owner_sums, g, mask=later[:, None] & col_ok, sem="relaxed")
+            tl.atomic_add(owner_sums, g.to(sums_ptr.dtype.element_ty), mask=later[:, None] & col_ok, sem="relaxed")
     else:
         owns = shared & (owner == token)
         if tl.max(owns.to(tl.int32), axis=0) > 0:
@@ -473,7 +475,10 @@ def _table_gradient(dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, d
         if tokens:
             _count_kernel[(cdiv(tokens, 256),)](ids, *counts, tokens, rows, padding_idx, BLOCK=256)
     atomic = not deterministic and tokens > 0
-    sums = torch.empty((tokens, dim), dtype=torch.float32, device=dy.device) if atomic else None
+    # fp64 sums for an fp32 table: in any order of the atomic adds, one rounding at the end
+    # (in fp32, 408 adds into one row erred by 7.7e-6 where torch's sorted sum erred by 1e-6)
+    sums_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    sums = torch.empty((tokens, dim), dtype=sums_dtype, device=dy.device) if atomic else None
     _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, scale, seed, p, scatter=atomic)
     if tokens == 0 or rows == 0 or dim == 0:
         return table

@@ -581,7 +581,7 @@ def _launch(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan, persistent: b
         GROUP_M=plan.group_m,
         B_K_MAJOR=k_major(b),
         PERSISTENT=persistent,
-        SPLIT_EPILOGUE=act == _GELU and plan.block_n >= 64,
+        SPLIT_EPILOGUE=plan.block_n >= 64 and (act == _GELU or z is not None or d.element_size() == 4),
         STORE_Z=z is not None,
         num_warps=plan.num_warps,
         num_stages=plan.stages(persistent),
