@@ -80,6 +80,7 @@ def _bias_act_dropout_bwd_kernel(
     x_row_stride,
     dy_row_stride,
     p,
+    scale,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -108,7 +109,7 @@ def _bias_act_dropout_bwd_kernel(
             g = apply_dropout(g, keep, p)
         _, slope = apply_activation(z, ACT)
         g = tl.where(mask, g * slope, 0.0)
-        tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets, (g * tl.cast(scale, tl.float32)).to(dx_ptr.dtype.element_ty), mask=mask)
         if BIAS_GRAD:
             acc += g
     if BIAS_GRAD:
@@ -147,21 +148,24 @@ def bias_act_dropout_bwd(
     dropout: bool,
     activation: str,
     bias_grad: bool,
+    scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    """``[dx]``, plus dbias (bias's dtype) when ``bias_grad``."""
+    """``[scale * dx]``, plus dbias (the unscaled dx summed over rows) when ``bias_grad``:
+    in bias's dtype, or fp32 where ``bias`` is None (for a caller whose x already holds
+    its bias, as gemm's saved pre-activation does)."""
     cols = x.shape[-1]
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
     if bias_grad:
-        grads.append(torch.empty(cols, dtype=bias.dtype, device=x.device))
+        grads.append(torch.empty(cols, dtype=torch.float32 if bias is None else bias.dtype, device=x.device))
     if cols == 0:
         return grads
     plan = elementwise_plan(cols)
     grid, partials = column_walkers(rows, cols, plan, x, bias_grad)
     _bias_act_dropout_bwd_kernel[grid](
-        x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p,
+        x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p, scale,
         ACT=ACTIVATIONS.index(activation),
         HAS_BIAS=bias is not None,
         DROPOUT=dropout,
@@ -198,14 +202,17 @@ def _bwd_op(
     dropout: bool,
     activation: str,
     bias_grad: bool,
+    scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    return bias_act_dropout_bwd(dy, x, bias, seed, p, dropout, activation, bias_grad)
+    return bias_act_dropout_bwd(dy, x, bias, seed, p, dropout, activation, bias_grad, scale)
 
 
 @_bwd_op.register_fake
-def _(dy, x, bias, seed, p, dropout, activation, bias_grad):
+def _(dy, x, bias, seed, p, dropout, activation, bias_grad, scale=1.0):
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format)]
-    return grads + ([bias.new_empty(bias.shape)] if bias_grad else [])
+    if not bias_grad:
+        return grads
+    return grads + [x.new_empty(x.shape[-1], dtype=torch.float32) if bias is None else bias.new_empty(bias.shape)]
 
 
 class BiasActDropoutFunction(torch.autograd.Function):

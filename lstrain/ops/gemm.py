@@ -14,8 +14,9 @@ fill the SMs instead (:func:`small_grid_plan`).
 
 Backward uses cuBLAS GEMMs for the gradients. With an activation, the forward epilogue
 also stores the pre-activation z when an input requires grad (in D's dtype, as torch
-keeps a Linear's output for the activation after it), and one pass turns dD into
-dz = dD * act'(z).
+keeps a Linear's output for the activation after it), and one pass (the backward of
+:func:`lstrain.ops.bias_act_dropout`) turns dD into dz = dD * act'(z) and sums it over rows
+for dbias.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lstrain.ops.activations import (
     apply_activation,
 )
 from lstrain.ops.autocast import autocast_inputs
+from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd
 from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import cdiv
 
@@ -42,7 +44,6 @@ __all__ = [
     "GemmFunction",
     "GemmPlan",
     "gemm",
-    "activation_grad",
     "gemm_fwd",
     "gemm_fwd_saving_preactivation",
     "gemm_plan",
@@ -396,44 +397,6 @@ def _split_k_epilogue_kernel(
     )  # fmt: skip
 
 
-@triton.jit
-def _activation_grad_kernel(
-    dd_ptr,
-    z_ptr,
-    out_ptr,
-    M,
-    N,
-    stride_ddm,
-    stride_ddn,
-    scale,
-    ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """out = scale * dD * act'(z) in fp32, rounded at the store (z and out [M, N] contiguous;
-    dD any strides: the gradient of a sum arrives expanded)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    dd = tl.load(dd_ptr + rows[:, None] * stride_ddm + cols[None, :] * stride_ddn, mask=mask, other=0.0)
-    z = tl.load(z_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    _, slope = apply_activation(z.to(tl.float32), ACT)
-    out = tl.cast(scale, tl.float32) * dd.to(tl.float32) * slope
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def activation_grad(dd: torch.Tensor, z: torch.Tensor, act: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``scale * dd * act'(z)`` [M, N] in ``dtype``, one pass (z: the pre-activation that
-    :func:`gemm_fwd_saving_preactivation` stored)."""
-    out = torch.empty(z.shape, dtype=dtype, device=z.device)
-    m, n = z.shape
-    if m and n:
-        _activation_grad_kernel[(cdiv(m, 16), cdiv(n, 256))](
-            dd, z, out, m, n, dd.stride(0), dd.stride(1), scale, ACT=act, BLOCK_M=16, BLOCK_N=256, num_warps=4
-        )
-    return out
-
-
 @dataclass(frozen=True)
 class GemmPlan:
     """Tile shape, program grouping and pipelining of one GEMM launch."""
@@ -717,16 +680,6 @@ def _(a, b, c, bias, alpha, beta, act, out_dtype):
     return d, torch.empty_like(d)
 
 
-@torch.library.custom_op("lstrain::gemm_activation_grad", mutates_args=())
-def _activation_grad_op(dd: torch.Tensor, z: torch.Tensor, act: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    return activation_grad(dd, z, act, scale, dtype)
-
-
-@_activation_grad_op.register_fake
-def _(dd, z, act, scale, dtype):
-    return z.new_empty(z.shape, dtype=dtype)
-
-
 class GemmFunction(torch.autograd.Function):
     """Autograd for :func:`gemm`. With an activation the forward also stores the
     pre-activation z (when an input needs a gradient), and backward turns dD into
@@ -754,24 +707,33 @@ class GemmFunction(torch.autograd.Function):
         need_a, need_b, need_c, need_bias = ctx.needs_input_grad[:4]
         need_c, need_bias = need_c and c is not None, need_bias and bias is not None
         if act >= 0:
-            grad = functools.partial(
-                _activation_grad_op if torch.compiler.is_compiling() else activation_grad, dd, z, act
-            )
+            # dz = dD * act'(z) in one pass: bias_act_dropout's backward (no bias, no dropout),
+            # which also sums dz over rows (fp32 partials, a fixed order) for dbias
+            bwd = torch.ops.lstrain.bias_act_dropout_bwd if torch.compiler.is_compiling() else bias_act_dropout_bwd
+
+            def grad(scale, dtype, column_sum=False):
+                """(scale * dz in dtype, [dz summed over rows, fp32] if column_sum)."""
+                dz, *sums = bwd(dd, z, None, None, 0.0, False, ACTIVATIONS[act], column_sum, scale)
+                return dz.to(dtype), sums
+
         else:  # dz = dD: scaled and cast only where needed (a Linear's backward copies nothing)
 
-            def grad(scale, dtype):
-                return dd.to(dtype) if scale == 1.0 else (scale * dd.float()).to(dtype)
+            def grad(scale, dtype, column_sum=False):
+                dz = dd.to(dtype) if scale == 1.0 else (scale * dd.float()).to(dtype)
+                return dz, [dd.sum(0, dtype=torch.float32)] if column_sum else []
 
         da = db = dc = dbias = None
+        sums = []
         if need_a or need_b:
-            dp = grad(alpha, a.dtype)  # alpha dz, rounded once to the operands' dtype for cuBLAS
+            dp, sums = grad(alpha, a.dtype, need_bias)  # alpha dz, rounded once to the operands' dtype
             da = dp @ b.t() if need_a else None
             db = a.t() @ dp if need_b else None
         if need_c:
-            dc = grad(beta, c.dtype)
+            dc, _ = grad(beta, c.dtype)
         if need_bias:
-            dz = dp if (need_a or need_b) and alpha == 1.0 else grad(1.0, torch.float32)
-            dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype)
+            if not sums:
+                _, sums = grad(1.0, dd.dtype, True)
+            dbias = sums[0].to(bias.dtype)
         return da, db, dc, dbias, None, None, None, None
 
 
