@@ -274,6 +274,7 @@ def bias_act_dropout(
         return bias_act_dropout_ref(x, bias, activation=activation, dropout=dropout if active else 0.0)
     if active and seed is None:
         seed = new_seed(x.device)
+    bias = None if bias is None else bias.contiguous()  # indexed as a flat array by the kernels
     return BiasActDropoutFunction.apply(x, bias, seed if active else None, float(dropout), active, activation)
 
 

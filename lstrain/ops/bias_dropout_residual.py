@@ -278,6 +278,7 @@ def bias_dropout_residual(
         return bias_dropout_residual_ref(x, bias, residual, dropout=dropout if active else 0.0)
     if active and seed is None:
         seed = new_seed(x.device)
+    bias = None if bias is None else bias.contiguous()  # indexed as a flat array by the kernels
     return BiasDropoutResidualFunction.apply(x, bias, residual, seed if active else None, float(dropout), active)
 
 

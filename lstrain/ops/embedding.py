@@ -750,6 +750,8 @@ def embedding(
                              dropout=dropout if active else 0.0, padding_idx=padding_idx)  # fmt: skip
     if active and seed is None:
         seed = new_seed(weight.device)
+    # the kernels address table rows as row * D: a strided view of a table is copied
+    weight, pos_weight = weight.contiguous(), None if pos_weight is None else pos_weight.contiguous()
     if not torch.is_grad_enabled():  # nothing will be differentiated: no row counts in forward
         weight, pos_weight = weight.detach(), None if pos_weight is None else pos_weight.detach()
     return EmbeddingFunction.apply(

@@ -799,6 +799,7 @@ def gemm(
     if backend == "reference":
         return gemm_ref(a, b, c=c, bias=bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype)
     options = (float(alpha), float(beta), act, out_dtype)
+    bias = None if bias is None else bias.contiguous()  # the epilogue indexes it as a flat array
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c, bias)):
         return GemmFunction.apply(a, b, c, bias, *options)
     # nothing to differentiate (inference, no_grad): no autograd node, no host cost of one

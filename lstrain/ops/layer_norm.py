@@ -492,6 +492,9 @@ def layer_norm(
     _backend.note("layer_norm", backend)
     if backend == "reference":
         return layer_norm_ref(x, shape, weight, bias, eps)
+    # the kernels index weight and bias as flat arrays: a strided view is copied (no-op otherwise)
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     return LayerNormFunction.apply(x, list(shape), weight, bias, float(eps))
 
 

@@ -126,6 +126,21 @@ def test_backward_regenerates_the_forward_mask(device):
     torch.testing.assert_close(x.grad[~dropped], torch.full_like(x.grad[~dropped], 1 / 0.6))
 
 
+@pytest.mark.parametrize("op", ["bias_dropout_residual", "bias_act_dropout"])
+def test_strided_bias(device, op):
+    """A bias that is a strided view (every other element of a buffer) is read by value,
+    and its gradient reaches the buffer's elements."""
+    x, residual = torch.randn(5, 6, device=device), torch.randn(5, 6, device=device)
+    buffer = torch.randn(12, device=device, requires_grad=True)
+    if op == "bias_dropout_residual":
+        y, expected = bias_dropout_residual(x, buffer[::2], residual), x + buffer.detach()[::2] + residual
+    else:
+        y, expected = bias_act_dropout(x, buffer[::2], activation="relu"), torch.relu(x + buffer.detach()[::2])
+    torch.testing.assert_close(y, expected)
+    (grad,) = torch.autograd.grad(y.sum(), buffer)
+    assert not grad[1::2].any() and grad[::2].abs().sum() > 0
+
+
 def test_residual_gradient_is_dy(device):
     x = torch.randn(3, 20, device=device, requires_grad=True)
     residual = torch.randn(3, 20, device=device, requires_grad=True)

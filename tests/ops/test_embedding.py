@@ -97,6 +97,23 @@ def test_deterministic_mode_follows_torch(device):
     assert torch.equal(a, expected)
 
 
+@pytest.mark.parametrize("view", ["padded rows", "strided columns"])
+def test_strided_tables(device, view):
+    """Tables that are views (rows padded in a wider buffer, or every other column) are
+    read by value, and their gradients reach the buffer's elements."""
+    ids = torch.tensor([[0, 3, 3, 5], [1, 1, 2, 0]], device=device)
+    buffers = [torch.randn(rows, 16, device=device, requires_grad=True) for rows in (6, 4)]
+    weight, pos_weight = (b[:, :8] if view == "padded rows" else b[:, ::2] for b in buffers)
+    y = embedding(ids, weight, pos_weight=pos_weight, scale=2.0)
+    expected = embedding_ref(ids, weight.detach(), pos_weight=pos_weight.detach(), scale=2.0)
+    torch.testing.assert_close(y, expected)
+    grads = torch.autograd.grad(y.sum(), buffers)
+    unused = (slice(None), slice(8, None)) if view == "padded rows" else (slice(None), slice(1, None, 2))
+    for g in grads:
+        assert not g[unused].any()
+    assert not grads[0][4].any() and grads[0][3].abs().sum() > 0  # row 4 is never looked up, 3 twice
+
+
 def test_zero_width_tables(device):
     weight = torch.randn(10, 0, device=device, requires_grad=True)
     pos_weight = torch.randn(5, 0, device=device, requires_grad=True)

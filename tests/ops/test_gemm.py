@@ -92,6 +92,18 @@ def test_no_autograd_node_when_nothing_is_differentiated(device, monkeypatch):
     assert applied and b.grad is not None
 
 
+def test_strided_bias(device):
+    """A bias that is a strided view (every other element of a buffer) is read by value,
+    and its gradient reaches the buffer's elements."""
+    a, b = torch.randn(8, 4, device=device), torch.randn(4, 6, device=device)
+    buffer = torch.randn(12, device=device, requires_grad=True)
+    d = gemm(a, b, bias=buffer[::2], activation="relu")
+    torch.testing.assert_close(d, torch.relu(a @ b + buffer.detach()[::2]))
+    (grad,) = torch.autograd.grad(d.sum(), buffer)
+    assert not grad[1::2].any()
+    torch.testing.assert_close(grad[::2], (a @ b + buffer.detach()[::2] > 0).float().sum(0))
+
+
 def test_beta_zero_never_reads_c(device):
     a, b = torch.randn(16, 8, device=device), torch.randn(8, 12, device=device)
     c = torch.full((16, 12), float("nan"), device=device)

@@ -102,6 +102,23 @@ def test_strided_input(device):
     torch.testing.assert_close(layer_norm(xt, 48), layer_norm_ref(xt, 48))
 
 
+def test_strided_weight_and_bias(device):
+    """Parameters that are views with a stride (every other element of a buffer) are read
+    by value, not as flat arrays, and their gradients reach the buffer's elements."""
+    x = torch.randn(5, 6, device=device)
+    buffers = [torch.randn(12, device=device, requires_grad=True) for _ in range(2)]
+    y = layer_norm(x, 6, buffers[0][::2], buffers[1][::2])
+    ref = [t.detach().double().requires_grad_() for t in buffers]
+    expected = torch.nn.functional.layer_norm(x.double(), (6,), ref[0][::2], ref[1][::2])
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, buffers, dy)
+    expected_grads = torch.autograd.grad(expected, ref, dy.double())
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5)
+        assert not g[1::2].any()
+
+
 def test_nan_in_gives_nan_out(device):
     x = torch.randn(3, 40, device=device)
     x[1, 5] = float("nan")
