@@ -700,7 +700,8 @@ def embedding(
         positions: position ids shaped like ``tokens``; default 0..seq_len-1 along the last dim.
         scale: multiplies the token rows (e.g. sqrt(D)).
         dropout: drop probability in [0, 1), applied when ``training``.
-        padding_idx: tokens with this id give all-zero rows and no gradient.
+        padding_idx: tokens with this id give all-zero rows and no gradient; negative
+            counts from the end of the table, as in ``torch.nn.functional.embedding``.
         deterministic: sorted segment reduction instead of atomics in backward (bit-for-bit
             reproducible); default ``torch.are_deterministic_algorithms_enabled()``.
         seed: a 1-element int64 tensor fixing the dropout mask (drawn when None).
@@ -713,8 +714,8 @@ def embedding(
 
     Raises:
         ValueError: non-integer ids, 2**31 or more of them, mismatched tables, devices or
-            positions, a dropout outside [0, 1), or (when checked) an id or position out of
-            range.
+            positions, a padding_idx outside [-V, V), a dropout outside [0, 1), or (when
+            checked) an id or position out of range.
     """
     if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() == 0:
         raise ValueError(f"embedding: tokens must be int64 or int32 ids with at least one dim, got {tokens.dtype}")
@@ -733,6 +734,12 @@ def embedding(
             raise ValueError(f"embedding: {name} is on {t.device} but weight is on {weight.device}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"embedding: dropout must be in [0, 1), got {dropout}")
+    if padding_idx is not None:
+        if not -weight.shape[0] <= padding_idx < weight.shape[0]:
+            raise ValueError(
+                f"embedding: padding_idx must be in [-{weight.shape[0]}, {weight.shape[0]}), got {padding_idx}"
+            )
+        padding_idx %= weight.shape[0]  # the kernels take -1 for "no padding row"
     check = check_ids if check_ids is not None else not weight.is_cuda
     if check and not torch.compiler.is_compiling():
         _check_ids("token id", tokens, weight.shape[0], padding_idx)

@@ -775,7 +775,8 @@ def gemm(
 
     Raises:
         ValueError: operands not 2-D, inner dims that differ, mixed dtypes or devices, a
-            ``c`` or ``bias`` of the wrong shape, or an unknown activation.
+            ``c`` or ``bias`` of the wrong shape or not floating point, an ``out_dtype``
+            other than float32 / float16 / bfloat16, or an unknown activation.
     """
     a, b = autocast_inputs(a, b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -786,6 +787,8 @@ def gemm(
     for name, t, shape in (("c", c, (m, n)), ("bias", bias, (n,))):
         if t is None:
             continue
+        if not t.is_floating_point():
+            raise ValueError(f"gemm: {name} must be a float tensor, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(f"gemm: {name} has shape {tuple(t.shape)}, expected {shape}")
         if t.device != a.device:
@@ -794,6 +797,8 @@ def gemm(
         raise ValueError(f"gemm: b is on {b.device} but a is on {a.device}")
     act = activation_index(activation, "gemm")
     out_dtype = out_dtype or a.dtype
+    if out_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"gemm: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     backend = _backend.backend_for(a)
     _backend.note("gemm", backend)
     if backend == "reference":

@@ -123,6 +123,18 @@ def test_zero_width_tables(device):
     assert y.shape == (1, 3, 0) and weight.grad.shape == (10, 0) and pos_weight.grad.shape == (5, 0)
 
 
+def test_negative_padding_idx_counts_from_the_end(device):
+    """padding_idx=-1 is the last row, as in torch (the kernels' own "no padding" is -1)."""
+    tokens = torch.tensor([[0, 4, 2, 4]], device=device)
+    weight = torch.randn(5, 3, device=device, requires_grad=True)
+    y = embedding(tokens, weight, padding_idx=-1)
+    expected = torch.nn.functional.embedding(tokens, weight.detach(), padding_idx=-1)
+    expected[tokens == 4] = 0.0  # torch keeps the row's values; its gradient is what padding stops
+    torch.testing.assert_close(y, expected)
+    (grad,) = torch.autograd.grad(y.sum(), weight)
+    assert not grad[4].any() and grad[0].eq(1).all()
+
+
 def test_padding_rows_are_zero_and_get_no_gradient(device):
     tokens = torch.tensor([[0, 5, 0, 2]], device=device)
     weight = torch.randn(6, 4, device=device, requires_grad=True)
@@ -170,6 +182,7 @@ def test_unchecked_bad_ids_give_nan_rows(device):
         (dict(pos_weight=torch.randn(4, 3), positions=torch.tensor([[0, 4]])), "position 4 at \\(0, 1\\)"),
         (dict(positions=torch.tensor([[0, 1]])), "positions need pos_weight"),
         (dict(dropout=1.5), "dropout must be in \\[0, 1\\)"),
+        (dict(padding_idx=5), "padding_idx must be in \\[-5, 5\\), got 5"),
         (dict(pos_weight=torch.randn(4, 3, device="meta")), "pos_weight is on meta"),
     ],
 )

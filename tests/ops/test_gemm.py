@@ -254,6 +254,8 @@ def test_split_k_wide_tiles_ragged_edges():
         (lambda a: gemm(a, a.t(), bias=torch.zeros(5, device=a.device)), "bias has shape"),
         (lambda a: gemm(a, a.t(), activation="tanh"), "activation must be None or one of"),
         (lambda a: gemm(a, a.t(), bias=torch.zeros(4, device="meta")), "bias is on meta"),
+        (lambda a: gemm(a, a.t(), bias=torch.zeros(4, dtype=torch.long, device=a.device)), "bias must be a float"),
+        (lambda a: gemm(a, a.t(), out_dtype=torch.int32), "out_dtype must be float32, float16 or bfloat16"),
     ],
 )
 def test_bad_input_names_the_argument(device, call, match):
