@@ -725,7 +725,7 @@ class GemmFunction(torch.autograd.Function):
         da = db = dc = dbias = None
         sums = []
         if need_a or need_b:
-            dp, sums = grad(alpha, a.dtype, need_bias)  # alpha dz, rounded once to the operands' dtype
+            dp, sums = grad(alpha, a.dtype, need_bias)  # alpha dz in the operands' dtype, for cuBLAS
             da = dp @ b.t() if need_a else None
             db = a.t() @ dp if need_b else None
         if need_c:

@@ -11,7 +11,8 @@ keeps the familiar ``gate_proj`` / ``up_proj`` / ``down_proj`` state_dict keys.)
 
 Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue writes ``h`` and
 ``a = silu(gate) * up`` (half the width), the two activations saved for backward; then
-``y = a @ w_down`` (cuBLAS).
+``y = a @ w_down`` (cuBLAS). With nothing to differentiate (``torch.no_grad``, inference)
+the epilogue writes only ``a`` and no autograd node is built.
 
 Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved gate and up
 tiles and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` over that
