@@ -3,6 +3,7 @@
     python -m benchmarks.kernel_audit [pytest args, default: tests/ops]
     python -m benchmarks.kernel_audit --triton-path DIR tests/ops/test_gemm.py
     python -m benchmarks.kernel_audit --arch 86 tests/ops
+    python -m benchmarks.kernel_audit benchmarks/plan_grid.py   (the plans only large shapes get)
 
 Runs the tests through the Triton interpreter, records each distinct launch (kernel,
 argument types, constexprs, num_warps / num_stages), then compiles each one for sm_90, or

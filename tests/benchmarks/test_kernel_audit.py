@@ -43,3 +43,16 @@ def test_compiles_for_another_architecture_with_its_shared_memory():
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "compiling for sm_86" in run.stdout and "_gemm_kernel" in run.stdout and " 0 failed" in run.stdout
+
+
+def test_plan_grid_collects_every_op():
+    """benchmarks/plan_grid.py (run by hand through the audit) imports and names a call of
+    every op, so that it does not rot outside the test suite."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "benchmarks/plan_grid.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    for op in ("gemm", "swiglu", "layer_norm", "attention_softmax", "cross_entropy", "linear_cross_entropy",
+               "dropout_family", "embedding"):  # fmt: skip
+        assert f"plan_grid.py::test_{op}[" in run.stdout
