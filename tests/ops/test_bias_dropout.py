@@ -225,6 +225,10 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.lstrain.dropout_bwd, (x, seed, 0.1, True, True, torch.float32))
     torch.library.opcheck(torch.ops.lstrain.bias_act_dropout_fwd, (x, bias, seed, 0.1, True, "silu"))
     torch.library.opcheck(torch.ops.lstrain.bias_act_dropout_bwd, (residual, x, bias, seed, 0.1, True, "silu", True))
+    # as gemm's backward calls it: no bias (x holds it), a scale, the column sum in fp32
+    torch.library.opcheck(
+        torch.ops.lstrain.bias_act_dropout_bwd, (residual, x, None, None, 0.0, False, "gelu", True, 0.5)
+    )
 
 
 def test_references_without_a_mask_draw_their_own(device):

@@ -292,6 +292,7 @@ def test_custom_op_passes_opcheck(device):
     a, b = torch.randn(6, 5, device=device), torch.randn(5, 7, device=device)
     c, bias = torch.randn(6, 7, device=device), torch.randn(7, device=device)
     torch.library.opcheck(torch.ops.lstrain.gemm, (a, b, c, bias, 1.5, 0.5, 3, torch.float32))
+    torch.library.opcheck(torch.ops.lstrain.gemm_saving_preactivation, (a, b, c, bias, 1.5, 0.5, 0, torch.float32))
 
 
 @pytest.mark.parametrize("b_layout", ["row-major", "w.t()"])
