@@ -23,7 +23,7 @@ from lstrain.ops.dropout import (
     new_seed,
 )
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv
+from lstrain.ops.layout import as_rows, cdiv, contiguous_or_none
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
@@ -274,7 +274,7 @@ def bias_act_dropout(
         return bias_act_dropout_ref(x, bias, activation=activation, dropout=dropout if active else 0.0)
     if active and seed is None:
         seed = new_seed(x.device)
-    bias = None if bias is None else bias.contiguous()  # indexed as a flat array by the kernels
+    bias = contiguous_or_none(bias)
     return BiasActDropoutFunction.apply(x, bias, seed if active else None, float(dropout), active, activation)
 
 

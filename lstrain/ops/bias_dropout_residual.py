@@ -23,7 +23,7 @@ from lstrain.ops.dropout import (
     new_seed,
 )
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv
+from lstrain.ops.layout import as_rows, cdiv, contiguous_or_none
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
@@ -278,7 +278,7 @@ def bias_dropout_residual(
         return bias_dropout_residual_ref(x, bias, residual, dropout=dropout if active else 0.0)
     if active and seed is None:
         seed = new_seed(x.device)
-    bias = None if bias is None else bias.contiguous()  # indexed as a flat array by the kernels
+    bias = contiguous_or_none(bias)
     return BiasDropoutResidualFunction.apply(x, bias, residual, seed if active else None, float(dropout), active)
 
 

@@ -30,7 +30,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import cdiv
+from lstrain.ops.layout import cdiv, contiguous_or_none
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
 
@@ -757,8 +757,7 @@ def embedding(
                              dropout=dropout if active else 0.0, padding_idx=padding_idx)  # fmt: skip
     if active and seed is None:
         seed = new_seed(weight.device)
-    # the kernels address table rows as row * D: a strided view of a table is copied
-    weight, pos_weight = weight.contiguous(), None if pos_weight is None else pos_weight.contiguous()
+    weight, pos_weight = weight.contiguous(), contiguous_or_none(pos_weight)  # rows addressed as row * D
     if not torch.is_grad_enabled():  # nothing will be differentiated: no row counts in forward
         weight, pos_weight = weight.detach(), None if pos_weight is None else pos_weight.detach()
     return EmbeddingFunction.apply(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["refuse_create_graph"]
+__all__ = ["differentiated", "refuse_create_graph"]
 
 
 def refuse_create_graph(op: str) -> None:
@@ -26,3 +26,10 @@ def refuse_create_graph(op: str) -> None:
             f"{op}: second derivatives are not supported (backward ran with create_graph=True); "
             "use the plain PyTorch op where a gradient must be differentiated again"
         )
+
+
+def differentiated(*inputs: torch.Tensor | None) -> bool:
+    """Whether autograd will record a call on ``inputs``: grad mode is on and one of them
+    requires grad. Ops run without an autograd Function otherwise (inference, no_grad),
+    which spares its host cost and what it would keep for backward."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)

@@ -37,8 +37,8 @@ from lstrain.ops.activations import (
 )
 from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import cdiv
+from lstrain.ops.first_order import differentiated, refuse_create_graph
+from lstrain.ops.layout import cdiv, contiguous_or_none
 
 __all__ = [
     "GemmFunction",
@@ -804,10 +804,9 @@ def gemm(
     if backend == "reference":
         return gemm_ref(a, b, c=c, bias=bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype)
     options = (float(alpha), float(beta), act, out_dtype)
-    bias = None if bias is None else bias.contiguous()  # the epilogue indexes it as a flat array
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c, bias)):
+    bias = contiguous_or_none(bias)
+    if differentiated(a, b, c, bias):
         return GemmFunction.apply(a, b, c, bias, *options)
-    # nothing to differentiate (inference, no_grad): no autograd node, no host cost of one
     return (_gemm_op if torch.compiler.is_compiling() else gemm_fwd)(a, b, c, bias, *options)
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv
+from lstrain.ops.layout import as_rows, cdiv, contiguous_or_none
 from lstrain.ops.partial_sums import sum_partials
 
 __all__ = [
@@ -492,10 +492,7 @@ def layer_norm(
     _backend.note("layer_norm", backend)
     if backend == "reference":
         return layer_norm_ref(x, shape, weight, bias, eps)
-    # the kernels index weight and bias as flat arrays: a strided view is copied (no-op otherwise)
-    weight = None if weight is None else weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    return LayerNormFunction.apply(x, list(shape), weight, bias, float(eps))
+    return LayerNormFunction.apply(x, list(shape), contiguous_or_none(weight), contiguous_or_none(bias), float(eps))
 
 
 def layer_norm_ref(

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["as_rows", "cdiv"]
+__all__ = ["as_rows", "cdiv", "contiguous_or_none"]
 
 
 def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -23,3 +23,10 @@ def cdiv(a: int, b: int) -> int:
     (usable inside kernels) whose host-side call unwraps its arguments first, 1.45 us a
     call on a fast CPU, paid several times per op call."""
     return -(-a // b)
+
+
+def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` contiguous (None stays None): for parameters and tables that kernels index as
+    flat arrays, so a strided view (``buf[::2]``, rows padded in a wider buffer) is copied
+    rather than read wrongly; a contiguous tensor is returned as it is."""
+    return None if t is None else t.contiguous()

@@ -37,7 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
-from lstrain.ops.first_order import refuse_create_graph
+from lstrain.ops.first_order import differentiated, refuse_create_graph
 from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
 from lstrain.ops.layout import cdiv
 
@@ -664,9 +664,9 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     _backend.note("swiglu_mlp", backend)
     if backend == "reference":
         return swiglu_mlp_ref(x, w_gate_up, w_down)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate_up, w_down)):
+    if differentiated(x, w_gate_up, w_down):
         return SwiGLUFunction.apply(x, w_gate_up, w_down)
-    # nothing to differentiate (inference, no_grad): no h kept for backward, no autograd node
+    # inference: h, which only backward reads, is not even written
     x2d = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         a = _fwd_activation_op(x2d, w_gate_up)
