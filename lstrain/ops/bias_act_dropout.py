@@ -149,15 +149,18 @@ def bias_act_dropout_bwd(
     activation: str,
     bias_grad: bool,
     scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """``[scale * dx]``, plus dbias (the unscaled dx summed over rows) when ``bias_grad``:
     in bias's dtype, or fp32 where ``bias`` is None (for a caller whose x already holds
-    its bias, as gemm's saved pre-activation does)."""
+    its bias, as gemm's saved pre-activation does). ``out``: a contiguous tensor shaped
+    like x to write scale * dx into, x itself included (each element is read before the
+    program that owns it writes it); a new one when None."""
     cols = x.shape[-1]
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
-    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out]
     if bias_grad:
         grads.append(torch.empty(cols, dtype=torch.float32 if bias is None else bias.dtype, device=x.device))
     if cols == 0:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.first_order import refuse_create_graph
+from lstrain.ops.first_order import graph_freed_after_backward, refuse_create_graph
 from lstrain.ops.layout import as_rows, cdiv
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "cross_entropy_plan",
     "cross_entropy_ref",
     "scale_gradient_",
+    "scaled_gradient",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -346,17 +347,19 @@ def _cross_entropy_bwd_kernel(
 
 
 @triton.jit
-def _scale_unless_one_kernel(grad_ptr, grad_output_ptr, elements, BLOCK: tl.constexpr):
-    """grad *= grad_output in place, looping zero times when grad_output == 1."""
+def _scale_kernel(grad_ptr, out_ptr, grad_output_ptr, elements, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    """out = grad * grad_output; IN_PLACE (out is grad): loops zero times when grad_output == 1."""
     factor = tl.load(grad_output_ptr).to(tl.float32)
-    end = tl.where(factor == 1.0, 0, elements).to(tl.int64)
+    end = tl.cast(elements, tl.int64)
+    if IN_PLACE:
+        end = tl.where(factor == 1.0, 0, end)
     offsets = tl.arange(0, BLOCK)
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     for start in range(tl.program_id(0).to(tl.int64) * BLOCK, end, step):
         idx = start + offsets
         ok = idx < elements
         g = tl.load(grad_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-        tl.store(grad_ptr + idx, (g * factor).to(grad_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + idx, (g * factor).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -542,12 +545,24 @@ def cross_entropy_bwd(
 def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """``grad *= grad_output`` in place (grad contiguous, grad_output a 0-d tensor);
     reads and writes nothing of ``grad`` when grad_output is exactly 1, with no host sync."""
+    _launch_scale(grad, grad, grad_output)
+
+
+def scaled_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``grad * grad_output`` in a new tensor, rounded once as :func:`scale_gradient_`
+    rounds in place (grad contiguous, grad_output a 0-d tensor of any float dtype)."""
+    out = torch.empty_like(grad)
+    _launch_scale(grad, out, grad_output)
+    return out
+
+
+def _launch_scale(grad: torch.Tensor, out: torch.Tensor, grad_output: torch.Tensor) -> None:
     elements = grad.numel()
     if elements == 0:
         return
     sms = _backend.multiprocessor_count(_backend.device_index(grad))
     programs = max(1, min(cdiv(elements, 4096), 4 * sms))
-    _scale_unless_one_kernel[(programs,)](grad, grad_output, elements, BLOCK=4096, num_warps=8)
+    _scale_kernel[(programs,)](grad, out, grad_output, elements, IN_PLACE=out is grad, BLOCK=4096, num_warps=8)
 
 
 def _count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -653,7 +668,8 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for :func:`cross_entropy`.
 
     For mean/sum the gradient is computed in forward (into a new buffer, or into the
-    logits' own storage with ``inplace_backward``) and backward only rescales it.
+    logits' own storage with ``inplace_backward``) and backward only rescales it: in place,
+    or into a new buffer where the graph is retained for another backward.
     """
 
     @staticmethod
@@ -670,7 +686,6 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss, stats, grad = loss_and_gradient(logits, target, options, grad_scale, valid_rows, grad_out)
         ctx.reduction = reduction
         ctx.options = options
-        ctx.backward_done = False
         if grad_scale is not None:
             ctx.save_for_backward(grad)
         elif needs_grad:
@@ -685,13 +700,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         if ctx.reduction == "none":
             logits, target, stats = ctx.saved_tensors
             return recompute_gradient(grad_loss, logits, target, stats, ctx.options), None, None, None, None, None, None
-        if ctx.backward_done:
-            raise RuntimeError(
-                "cross_entropy: backward ran twice through the same graph; the gradient was computed in forward and "
-                "rescaled in place. Call cross_entropy again for a second backward."
-            )
-        ctx.backward_done = True
         (grad,) = ctx.saved_tensors
+        if not torch.compiler.is_compiling() and not graph_freed_after_backward():
+            # the graph is kept for another backward, which must find the gradient as forward left it
+            return scaled_gradient(grad, grad_loss), None, None, None, None, None, None
         rescale_gradient_(grad, grad_loss)
         return grad, None, None, None, None, None, None
 

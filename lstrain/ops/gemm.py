@@ -37,7 +37,7 @@ from lstrain.ops.activations import (
 )
 from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd
-from lstrain.ops.first_order import differentiated, refuse_create_graph
+from lstrain.ops.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops.layout import cdiv, contiguous_or_none
 
 __all__ = [
@@ -683,8 +683,8 @@ def _(a, b, c, bias, alpha, beta, act, out_dtype):
 class GemmFunction(torch.autograd.Function):
     """Autograd for :func:`gemm`. With an activation the forward also stores the
     pre-activation z (when an input needs a gradient), and backward turns dD into
-    dz = dD * act'(z) in one pass; then dA = alpha dz B^T, dB = alpha A^T dz (cuBLAS),
-    dC = beta dz, dbias = sum dz."""
+    dz = dD * act'(z) in one pass (written over z unless the graph is retained); then
+    dA = alpha dz B^T, dB = alpha A^T dz (cuBLAS), dC = beta dz, dbias = sum dz."""
 
     @staticmethod
     def forward(ctx, a, b, c, bias, alpha, beta, act, out_dtype):
@@ -708,31 +708,36 @@ class GemmFunction(torch.autograd.Function):
         need_c, need_bias = need_c and c is not None, need_bias and bias is not None
         if act >= 0:
             # dz = dD * act'(z) in one pass: bias_act_dropout's backward (no bias, no dropout),
-            # which also sums dz over rows (fp32 partials, a fixed order) for dbias
-            bwd = torch.ops.lstrain.bias_act_dropout_bwd if torch.compiler.is_compiling() else bias_act_dropout_bwd
+            # which also sums dz over rows (fp32 partials, a fixed order) for dbias. Its last
+            # pass writes dz over z where the graph goes with this backward: one [M, N]
+            # buffer fewer (z is the forward's own, and nothing reads it afterwards).
+            compiling = torch.compiler.is_compiling()
+            bwd = torch.ops.lstrain.bias_act_dropout_bwd if compiling else bias_act_dropout_bwd
+            reuse_z = not compiling and graph_freed_after_backward()
 
-            def grad(scale, dtype, column_sum=False):
+            def grad(scale, dtype, column_sum=False, last=False):
                 """(scale * dz in dtype, [dz summed over rows, fp32] if column_sum)."""
-                dz, *sums = bwd(dd, z, None, None, 0.0, False, ACTIVATIONS[act], column_sum, scale)
+                args = (dd, z, None, None, 0.0, False, ACTIVATIONS[act], column_sum, scale)
+                dz, *sums = bias_act_dropout_bwd(*args, out=z) if last and reuse_z else bwd(*args)
                 return dz.to(dtype), sums
 
         else:  # dz = dD: scaled and cast only where needed (a Linear's backward copies nothing)
 
-            def grad(scale, dtype, column_sum=False):
+            def grad(scale, dtype, column_sum=False, last=False):
                 dz = dd.to(dtype) if scale == 1.0 else (scale * dd.float()).to(dtype)
                 return dz, [dd.sum(0, dtype=torch.float32)] if column_sum else []
 
         da = db = dc = dbias = None
         sums = []
-        if need_a or need_b:
-            dp, sums = grad(alpha, a.dtype, need_bias)  # alpha dz in the operands' dtype, for cuBLAS
-            da = dp @ b.t() if need_a else None
-            db = a.t() @ dp if need_b else None
         if need_c:
             dc, _ = grad(beta, c.dtype)
+        if need_a or need_b:
+            dp, sums = grad(alpha, a.dtype, need_bias, last=True)  # alpha dz in the operands' dtype, for cuBLAS
+            da = dp @ b.t() if need_a else None
+            db = a.t() @ dp if need_b else None
+        elif need_bias:
+            _, sums = grad(1.0, dd.dtype, True, last=True)
         if need_bias:
-            if not sums:
-                _, sums = grad(1.0, dd.dtype, True)
             dbias = sums[0].to(bias.dtype)
         return da, db, dc, dbias, None, None, None, None
 

@@ -31,8 +31,9 @@ from lstrain.ops.cross_entropy import (
     loss_and_gradient,
     recompute_gradient,
     rescale_gradient_,
+    scaled_gradient,
 )
-from lstrain.ops.first_order import refuse_create_graph
+from lstrain.ops.first_order import graph_freed_after_backward, refuse_create_graph
 from lstrain.ops.layout import cdiv
 
 __all__ = [
@@ -153,7 +154,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.options = options
         ctx.chunk_bytes = chunk_bytes
         ctx.fp32_sum = fp32_sum
-        ctx.backward_done = False
         ctx.bias_dtype = None if bias is None else bias.dtype
         if grads is not None:
             ctx.save_for_backward(grads.hidden, grads.weight_grad(weight.dtype), grads.bias)
@@ -169,16 +169,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         refuse_create_graph("linear_cross_entropy")
         if ctx.reduction == "none":
             return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None, None)
-        if ctx.backward_done:
-            raise RuntimeError(
-                "linear_cross_entropy: backward ran twice through the same graph; the gradients were computed in "
-                "forward and rescaled in place. Call linear_cross_entropy again for a second backward."
-            )
-        ctx.backward_done = True
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        for grad in (grad_hidden, grad_weight, grad_bias):
-            if grad is not None:
-                rescale_gradient_(grad, grad_loss)
+        grads = ctx.saved_tensors
+        if not torch.compiler.is_compiling() and not graph_freed_after_backward():
+            # the graph is kept for another backward, which must find the gradients as forward left them
+            grads = [None if grad is None else scaled_gradient(grad, grad_loss) for grad in grads]
+        else:
+            for grad in grads:
+                if grad is not None:
+                    rescale_gradient_(grad, grad_loss)
+        grad_hidden, grad_weight, grad_bias = grads
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None

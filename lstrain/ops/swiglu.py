@@ -37,7 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lstrain import _backend
 from lstrain.ops.autocast import autocast_inputs
-from lstrain.ops.first_order import differentiated, refuse_create_graph
+from lstrain.ops.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
 from lstrain.ops.layout import cdiv
 
@@ -550,7 +550,7 @@ def _(dy2d, w_down, h):
 
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd for :func:`swiglu_mlp`. Saves x, the weights, h and a; outside
-    torch.compile dh is written over h, so the graph can be backpropagated once."""
+    torch.compile dh is written over h unless the graph is retained for another backward."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down):
@@ -559,17 +559,11 @@ class SwiGLUFunction(torch.autograd.Function):
         y = a @ w_down
         ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
         ctx.x_shape = x.shape
-        ctx.h_overwritten = False
         return y.view(*x.shape[:-1], w_down.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("swiglu_mlp")
-        if ctx.h_overwritten:
-            raise RuntimeError(
-                "swiglu_mlp: backward ran a second time through the same graph; the first overwrote "
-                "the saved activations with their gradient (retain_graph=True is not supported)"
-            )
         x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
         dw_down = a.t() @ dy2d if ctx.needs_input_grad[2] else None
@@ -578,9 +572,9 @@ class SwiGLUFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             dh = _bwd_op(dy2d, w_down, h)
         else:
-            ctx.h_overwritten = True
-            dh = h
-            swiglu_bwd(dy2d, w_down, h, h)
+            # over h where the graph goes with this backward: one [tokens, 2F] buffer fewer
+            dh = h if graph_freed_after_backward() else torch.empty_like(h)
+            swiglu_bwd(dy2d, w_down, h, dh)
         dx = (dh @ w_gate_up.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dw_gate_up = x2d.t() @ dh if ctx.needs_input_grad[1] else None
         return dx, dw_gate_up, dw_down
@@ -641,9 +635,8 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices.
-        RuntimeError: (from backward) a second backward through the same graph: the first
-            wrote the gradient over the saved activations, so ``retain_graph=True`` and
-            double backward are not supported.
+        RuntimeError: (from backward) ``create_graph=True``: second derivatives are not
+            supported.
     """
     x, w_gate_up, w_down = autocast_inputs(x, w_gate_up, w_down)
     if x.dtype not in _SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:

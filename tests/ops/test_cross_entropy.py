@@ -107,12 +107,16 @@ def test_inplace_backward_writes_into_the_logits(device, vocab):
     torch.testing.assert_close(hidden.detach(), expected)  # the logits' storage now holds the gradient
 
 
-def test_a_second_backward_is_refused(device):
-    logits = torch.randn(2, 8, device=device, requires_grad=True)
-    loss = cross_entropy(logits, torch.tensor([1, 2], device=device))
+def test_a_retained_graph_with_the_gradient_in_the_logits_storage(device):
+    base = torch.randn(2, 8, device=device)
+    target = torch.tensor([1, 2], device=device)
+    leaf = base.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(cross_entropy(leaf, target), leaf)
+    logits = base.clone().requires_grad_()
+    loss = cross_entropy(logits * 1.0, target, inplace_backward=True)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        loss.backward()
+    (3.0 * loss).backward()
+    torch.testing.assert_close(logits.grad, 4.0 * expected)
 
 
 def test_bad_targets_give_nan_rows_when_unchecked(device):

@@ -1,6 +1,8 @@
-"""Every op's backward is a kernel, not differentiable again: a backward with
-``create_graph=True`` raises instead of handing back gradients without a graph, whose
-second-order terms would silently be missing."""
+"""Backward semantics shared by every op. Its backward is a kernel, not differentiable
+again: a backward with ``create_graph=True`` raises instead of handing back gradients
+without a graph, whose second-order terms would silently be missing. A graph retained for
+another backward (``retain_graph=True``) gives the same gradients every time: ops that
+write gradients over what their forward saved do so only when the graph is freed."""
 
 import pytest
 import torch
@@ -50,3 +52,14 @@ def test_second_derivative_raises(op):
     fn, x = _cases()[op]()
     with pytest.raises(RuntimeError, match=f"{op}: second derivatives are not supported"):
         torch.autograd.grad(fn(x).float().sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("op", sorted(_cases()))
+def test_a_retained_graph_backpropagates_again(op):
+    fn, x = _cases()[op]()
+    y = fn(x).float().sum()
+    (first,) = torch.autograd.grad(y, x, retain_graph=True)
+    (doubled,) = torch.autograd.grad(2 * y, x, retain_graph=True)
+    (last,) = torch.autograd.grad(y, x)  # frees the graph: in place where an op can
+    torch.testing.assert_close(doubled, 2 * first)
+    torch.testing.assert_close(last, first)

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -74,6 +76,31 @@ def test_activation_backward_of_an_expanded_gradient(device, activation):
     gemm_ref(inputs[0], inputs[1], bias=inputs[2], alpha=0.5, activation=activation).sum().backward()
     for ours, ref in zip((a, b, bias), inputs, strict=True):
         torch.testing.assert_close(ours.grad, ref.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_activation_backward_writes_dz_over_z_only_when_the_graph_is_freed(device, monkeypatch, retain_graph):
+    """Every gradient at once (dC's pass runs first, reading z; the last pass may write dz
+    over it), against autograd through gemm_ref in fp64."""
+    gemm_module = sys.modules["lstrain.ops.gemm"]
+    outs = []
+    real = gemm_module.bias_act_dropout_bwd
+    monkeypatch.setattr(
+        gemm_module, "bias_act_dropout_bwd", lambda *args, out=None: outs.append(out) or real(*args, out=out)
+    )
+    gen = torch.Generator().manual_seed(2)
+    inputs = [
+        torch.randn(*shape, generator=gen).to(device).requires_grad_() for shape in ((9, 5), (5, 7), (9, 7), (7,))
+    ]
+    dd = torch.randn(9, 7, generator=gen).to(device)
+    options = {"alpha": 1.5, "beta": 0.5, "activation": "gelu"}
+    d = gemm(inputs[0], inputs[1], c=inputs[2], bias=inputs[3], **options)
+    grads = torch.autograd.grad(d, inputs, dd, retain_graph=retain_graph)
+    assert [out is not None for out in outs] == [False, not retain_graph]
+    ref = [t.detach().double().requires_grad_() for t in inputs]
+    expected = torch.autograd.grad(gemm_ref(ref[0], ref[1], c=ref[2], bias=ref[3], **options), ref, dd.double())
+    for ours, theirs in zip(grads, expected, strict=True):
+        torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_no_autograd_node_when_nothing_is_differentiated(device, monkeypatch):

@@ -112,16 +112,18 @@ def test_weight_gradient_sum_chosen_by_memory_and_chunk_count():
     assert not _fp32_sum(None, hidden.float(), head.float(), 1)
 
 
-def test_backward_scales_by_grad_output_and_refuses_a_second_pass(device):
+def test_backward_scales_by_grad_output_also_through_a_retained_graph(device):
     hidden = torch.randn(6, 8, device=device, requires_grad=True)
-    weight = torch.randn(11, 8, device=device)
+    weight = torch.randn(11, 8, device=device, requires_grad=True)
+    bias = torch.randn(11, device=device, requires_grad=True)
     target = torch.randint(0, 11, (6,), device=device)
-    (g1,) = torch.autograd.grad(linear_cross_entropy(hidden, weight, target), hidden)
-    loss = linear_cross_entropy(hidden, weight, target)
-    (g2,) = torch.autograd.grad(2.5 * loss, hidden, retain_graph=True)
-    torch.testing.assert_close(g2, 2.5 * g1)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        torch.autograd.grad(loss, hidden)
+    g1 = torch.autograd.grad(linear_cross_entropy(hidden, weight, target, bias), (hidden, weight, bias))
+    loss = linear_cross_entropy(hidden, weight, target, bias)
+    g2 = torch.autograd.grad(2.5 * loss, (hidden, weight, bias), retain_graph=True)
+    g3 = torch.autograd.grad(loss, (hidden, weight, bias))
+    for one, scaled, again in zip(g1, g2, g3, strict=True):
+        torch.testing.assert_close(scaled, 2.5 * one)
+        torch.testing.assert_close(again, one)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
