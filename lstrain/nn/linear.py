@@ -21,8 +21,8 @@ class Linear(torch.nn.Linear):
     The weight enters the GEMM as ``weight.t()``, a view (:func:`lstrain.ops.gemm` takes
     any strides). Backward uses cuBLAS for the gradients; without an activation it is
     torch.nn.Linear's backward. With one, the forward also stores the pre-activation (as
-    torch keeps ``nn.Linear``'s output for the activation module after it) and one pass
-    forms its gradient.
+    torch keeps ``nn.Linear``'s output for the activation module after it; relu needs
+    only the output) and one pass forms its gradient.
 
     Args:
         in_features, out_features, bias, device, dtype: as for ``torch.nn.Linear``.

@@ -14,9 +14,9 @@ fill the SMs instead (:func:`small_grid_plan`).
 
 Backward uses cuBLAS GEMMs for the gradients. With an activation, the forward epilogue
 also stores the pre-activation z when an input requires grad (in D's dtype, as torch
-keeps a Linear's output for the activation after it), and one pass (the backward of
-:func:`lstrain.ops.bias_act_dropout`) turns dD into dz = dD * act'(z) and sums it over rows
-for dbias.
+keeps a Linear's output for the activation after it; not for relu, whose slope D itself
+gives), and one pass (the backward of :func:`lstrain.ops.bias_act_dropout`) turns dD into
+dz = dD * act'(z), over z where the graph is freed, and sums it over rows for dbias.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ __all__ = [
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _GELU = ACTIVATIONS.index("gelu")
+_RELU = ACTIVATIONS.index("relu")
 # About one wave of programs on the 132 SMs of an H100 / H200 (a constant: plans do not
 # depend on the SM count)
 _WAVE_TILES = 128
@@ -684,18 +685,20 @@ class GemmFunction(torch.autograd.Function):
     """Autograd for :func:`gemm`. With an activation the forward also stores the
     pre-activation z (when an input needs a gradient), and backward turns dD into
     dz = dD * act'(z) in one pass (written over z unless the graph is retained); then
-    dA = alpha dz B^T, dB = alpha A^T dz (cuBLAS), dC = beta dz, dbias = sum dz."""
+    dA = alpha dz B^T, dB = alpha A^T dz (cuBLAS), dC = beta dz, dbias = sum dz. relu
+    keeps no z: its slope is read off D (D > 0 exactly where z > 0, as torch's relu
+    backward reads its output), which the next layer usually keeps anyway."""
 
     @staticmethod
     def forward(ctx, a, b, c, bias, alpha, beta, act, out_dtype):
         compiling = torch.compiler.is_compiling()
         z = None
-        if act >= 0 and any(ctx.needs_input_grad[:4]):
+        if act >= 0 and act != _RELU and any(ctx.needs_input_grad[:4]):
             fwd = _gemm_saving_preactivation_op if compiling else gemm_fwd_saving_preactivation
             d, z = fwd(a, b, c, bias, alpha, beta, act, out_dtype)
         else:
             d = (_gemm_op if compiling else gemm_fwd)(a, b, c, bias, alpha, beta, act, out_dtype)
-        ctx.save_for_backward(a, b, c, bias, z)
+        ctx.save_for_backward(a, b, c, bias, d if act == _RELU else z)  # what act' reads
         ctx.options = (alpha, beta, act)
         return d
 
@@ -713,7 +716,7 @@ class GemmFunction(torch.autograd.Function):
             # buffer fewer (z is the forward's own, and nothing reads it afterwards).
             compiling = torch.compiler.is_compiling()
             bwd = torch.ops.lstrain.bias_act_dropout_bwd if compiling else bias_act_dropout_bwd
-            reuse_z = not compiling and graph_freed_after_backward()
+            reuse_z = not compiling and act != _RELU and graph_freed_after_backward()  # D is the caller's
 
             def grad(scale, dtype, column_sum=False, last=False):
                 """(scale * dz in dtype, [dz summed over rows, fp32] if column_sum)."""

@@ -103,6 +103,23 @@ def test_activation_backward_writes_dz_over_z_only_when_the_graph_is_freed(devic
         torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-5)
 
 
+def test_relu_keeps_no_preactivation(device, monkeypatch):
+    """relu's slope is read off D, as torch's relu backward reads its output: the forward
+    stores no z, and D changed in place before backward is caught as torch catches it."""
+    gemm_module = sys.modules["lstrain.ops.gemm"]
+    monkeypatch.setattr(gemm_module, "gemm_fwd_saving_preactivation", None)  # called: a TypeError
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(*shape, generator=gen).to(device).requires_grad_() for shape in ((6, 5), (5, 4)))
+    (grad,) = torch.autograd.grad(gemm(a, b, alpha=-2.0, activation="relu").sum(), a)
+    a64 = a.detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad(gemm_ref(a64, b.detach().double(), alpha=-2.0, activation="relu").sum(), a64)
+    torch.testing.assert_close(grad, expected.float(), rtol=1e-5, atol=1e-5)
+    d = gemm(a, b, activation="relu")
+    d.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        d.sum().backward()
+
+
 def test_no_autograd_node_when_nothing_is_differentiated(device, monkeypatch):
     """Inference (no_grad, or no input requiring grad) launches the kernel without an
     autograd Function (its host cost, and what it saves for backward)."""
