@@ -705,7 +705,7 @@ class GemmFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dd):
         refuse_create_graph("gemm")
-        a, b, c, bias, z = ctx.saved_tensors
+        a, b, c, bias, z = ctx.saved_tensors  # z: the pre-activation (relu: D, whose sign is z's)
         alpha, beta, act = ctx.options
         need_a, need_b, need_c, need_bias = ctx.needs_input_grad[:4]
         need_c, need_bias = need_c and c is not None, need_bias and bias is not None
