@@ -2,17 +2,22 @@
 
 ``lstrain check``: property-based gradient checks of every fused op on this machine's
 device (the GPU if there is one, else the Triton interpreter on the CPU), printed as a
-table; exit code 1 if any check fails.
+table; exit code 1 if any check fails. The (op, dtype) rows run in parallel processes:
+on a GPU a check is bound by Triton compiling its kernels' variants on one CPU core
+(about 1500 distinct compilations for all rows), so the cores share that work.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import multiprocessing
 import os
 import sys
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 __all__ = ["main"]
@@ -28,6 +33,7 @@ class _Tally:
     worst_ratio: float = 0.0
     backends: set[str] = field(default_factory=set)
     failure: str | None = None
+    seconds: float = 0.0
 
 
 def _check_op(op_check, device: str, dtype, examples: int, fixed: bool) -> _Tally:
@@ -51,11 +57,32 @@ def _check_op(op_check, device: str, dtype, examples: int, fixed: bool) -> _Tall
             tally.failure = f"{case}: " + "; ".join(bad)
             raise AssertionError(tally.failure)
 
+    start = time.perf_counter()
     try:
         run()
     except AssertionError:
         pass  # the last (shrunk) failure is in tally.failure
+    tally.seconds = time.perf_counter() - start
     return tally
+
+
+def _use_device(device: str) -> None:
+    """Prepare this process for checks on ``device``: on the CPU the interpreter must be
+    switched on before any lstrain kernel is defined."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        # numpy's float warnings from the interpreter (e.g. -inf - -inf in masked lanes)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+
+
+def _check_row(name: str, dtype_name: str, device: str, examples: int, fixed: bool) -> _Tally:
+    """One (op, dtype) row of the table (in this process, or in a worker of the pool)."""
+    _use_device(device)
+    import torch
+
+    from lstrain.testing.checks import OP_CHECKS
+
+    return _check_op(OP_CHECKS[name], device, getattr(torch, dtype_name), examples, fixed)
 
 
 def _shape_summary(shapes: list[str]) -> str:
@@ -69,10 +96,7 @@ def _check(args: argparse.Namespace) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
-        # numpy's float warnings from the interpreter (e.g. -inf - -inf in masked lanes)
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+    _use_device(device)
     from lstrain import _backend
     from lstrain.testing.checks import OP_CHECKS
 
@@ -83,34 +107,54 @@ def _check(args: argparse.Namespace) -> int:
     if unknown:
         print(f"lstrain check: unknown op(s) {', '.join(unknown)}; known: {', '.join(OP_CHECKS)}", file=sys.stderr)
         return 2
+    ops = {
+        name: [str(d).removeprefix("torch.") for d in OP_CHECKS[name].dtypes(device)] for name in args.ops or OP_CHECKS
+    }
+    rows = [(name, dtype) for name, dtypes in ops.items() for dtype in dtypes]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # a worker on a GPU holds a CUDA context (~0.5 GB): at most 8 unless asked
+    jobs = min(args.jobs or min(cores, 8 if device == "cuda" else cores), len(rows))
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     print(
         f"lstrain check on {where}: {args.examples} hypothesis examples per op and dtype, "
-        "tolerance rule of lstrain.testing"
+        f"tolerance rule of lstrain.testing; {jobs} process{'es' if jobs > 1 else ''}"
     )
     header = f"{'op':<20} {'dtype':<9} {'backend':<12} {'shapes tried':<34} {'max error':>10} {'allowed':>10}  result"
     print(header)
-    print("-" * len(header))
+    print("-" * len(header), flush=True)
+    start = time.perf_counter()
     failed = False
-    for name in args.ops or OP_CHECKS:
-        start = time.perf_counter()
-        for dtype in OP_CHECKS[name].dtypes(device):
-            t = _check_op(OP_CHECKS[name], device, dtype, args.examples, not args.random)
-            failed |= t.failure is not None
-            print(
-                f"{name:<20} {str(dtype).removeprefix('torch.'):<9} {','.join(sorted(t.backends)) or '-':<12} "
-                f"{_shape_summary(t.shapes):<34} {t.worst_error:>10.3g} {t.worst_allowed:>10.3g}  "
-                f"{'FAIL' if t.failure else 'pass'}"
-            )
-            if t.failure:
-                print(f"    {t.failure}")
-        print(f"    ({name}: {time.perf_counter() - start:.1f} s)")
-    print("FAILED" if failed else "all checks passed")
+    with contextlib.ExitStack() as stack:
+        if jobs == 1:
+            tallies = (_check_row(name, dtype, device, args.examples, not args.random) for name, dtype in rows)
+        else:
+            # spawn, not fork: a forked child would inherit this process's CUDA state
+            pool = stack.enter_context(ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")))
+            futures = [
+                pool.submit(_check_row, name, dtype, device, args.examples, not args.random) for name, dtype in rows
+            ]
+            tallies = (future.result() for future in futures)
+        for name, dtypes in ops.items():
+            seconds = 0.0
+            for dtype in dtypes:
+                t = next(tallies)
+                failed |= t.failure is not None
+                seconds += t.seconds
+                print(
+                    f"{name:<20} {dtype:<9} {','.join(sorted(t.backends)) or '-':<12} "
+                    f"{_shape_summary(t.shapes):<34} {t.worst_error:>10.3g} {t.worst_allowed:>10.3g}  "
+                    f"{'FAIL' if t.failure else 'pass'}",
+                    flush=True,
+                )
+                if t.failure:
+                    print(f"    {t.failure}")
+            print(f"    ({name}: {seconds:.1f} s)")
+    print(f"{'FAILED' if failed else 'all checks passed'} in {time.perf_counter() - start:.1f} s")
     return 1 if failed else 0
 
 
-def _examples(text: str) -> int:
-    """``--examples``: a whole number of at least 1 (hypothesis draws at least one)."""
+def _count(text: str) -> int:
+    """``--examples``, ``--jobs``: a whole number of at least 1."""
     try:
         value = int(text)
     except ValueError:
@@ -126,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="property-check every fused op against PyTorch on this device")
     check.add_argument("ops", nargs="*", help="ops to check (default: all)")
-    check.add_argument("--examples", type=_examples, default=os.environ.get("LSTRAIN_CHECK_EXAMPLES", "40"),
+    check.add_argument("--examples", type=_count, default=os.environ.get("LSTRAIN_CHECK_EXAMPLES", "40"),
                        help="hypothesis examples per op and dtype (default 40)")  # fmt: skip
     check.add_argument("--random", action="store_true", help="draw new examples (default: the same ones every run)")
     check.add_argument("--cpu", action="store_true", help="check the CPU interpreter path even if a GPU is present")
+    check.add_argument("--jobs", type=_count, default=None,
+                       help="processes checking rows at once (default: one per core, at most 8 on a GPU)")  # fmt: skip
     args = parser.parse_args(argv)
     return _check(args)
 

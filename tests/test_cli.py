@@ -18,9 +18,22 @@ def test_a_failing_check_exits_1(capsys, monkeypatch):
         return CheckResult([Comparison("output", 1.0, 0.1, 0.05, (0,), 2.0, 1.0)], ["interpreter"])
 
     monkeypatch.setitem(OP_CHECKS, "broken", OpCheck("broken", OP_CHECKS["layer_norm"].cases, broken))
-    assert cli.main(["check", "broken", "--examples", "2"]) == 1
+    assert cli.main(["check", "broken", "--examples", "2", "--jobs", "1"]) == 1  # in this process: the patch holds
     out = capsys.readouterr().out
     assert "FAIL" in out and "FAILED" in out
+
+
+def test_rows_checked_in_parallel_print_the_same_table(capsys):
+    """Worker processes (spawned: each defines the kernels afresh) check the same fixed
+    examples as one process, and the rows come out in the table's order."""
+
+    def table(jobs):
+        assert cli.main(["check", "layer_norm", "bias_act_dropout", "--examples", "2", "--jobs", jobs]) == 0
+        out = capsys.readouterr().out
+        return [line[:95] for line in out.splitlines() if line.startswith(("layer_norm ", "bias_act_dropout "))]
+
+    serial, parallel = table("1"), table("3")
+    assert len(serial) == 6 and parallel == serial
 
 
 def test_unknown_op_is_an_error(capsys):
