@@ -47,8 +47,8 @@ __all__ = [
     "cross_entropy_fwd",
     "cross_entropy_plan",
     "cross_entropy_ref",
+    "rescale_gradient",
     "scale_gradient_",
-    "scaled_gradient",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -548,14 +548,6 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     _launch_scale(grad, grad, grad_output)
 
 
-def scaled_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """``grad * grad_output`` in a new tensor, rounded once as :func:`scale_gradient_`
-    rounds in place (grad contiguous, grad_output a 0-d tensor of any float dtype)."""
-    out = torch.empty_like(grad)
-    _launch_scale(grad, out, grad_output)
-    return out
-
-
 def _launch_scale(grad: torch.Tensor, out: torch.Tensor, grad_output: torch.Tensor) -> None:
     elements = grad.numel()
     if elements == 0:
@@ -653,9 +645,20 @@ def loss_and_gradient(logits, target, options, grad_scale, valid_rows, grad_out)
     return loss, stats, grad_out
 
 
-def rescale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """:func:`scale_gradient_`, through the custom op under torch.compile."""
-    (_scale_gradient_op if torch.compiler.is_compiling() else scale_gradient_)(grad, grad_output)
+def rescale_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``grad * grad_output`` in a backward whose forward computed ``grad``: in place where
+    the graph goes with this backward (through the custom op under torch.compile), into a
+    new buffer, rounded the same way, where it is kept for another backward, which must
+    find ``grad`` as forward left it."""
+    if torch.compiler.is_compiling():
+        _scale_gradient_op(grad, grad_output)
+    elif graph_freed_after_backward():
+        scale_gradient_(grad, grad_output)
+    else:
+        out = torch.empty_like(grad)
+        _launch_scale(grad, out, grad_output)
+        return out
+    return grad
 
 
 def recompute_gradient(grad_output, logits, target, stats, options) -> torch.Tensor:
@@ -701,11 +704,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             logits, target, stats = ctx.saved_tensors
             return recompute_gradient(grad_loss, logits, target, stats, ctx.options), None, None, None, None, None, None
         (grad,) = ctx.saved_tensors
-        if not torch.compiler.is_compiling() and not graph_freed_after_backward():
-            # the graph is kept for another backward, which must find the gradient as forward left it
-            return scaled_gradient(grad, grad_loss), None, None, None, None, None, None
-        rescale_gradient_(grad, grad_loss)
-        return grad, None, None, None, None, None, None
+        return rescale_gradient(grad, grad_loss), None, None, None, None, None, None
 
 
 def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) -> None:

@@ -30,10 +30,9 @@ from lstrain.ops.cross_entropy import (
     cross_entropy_ref,
     loss_and_gradient,
     recompute_gradient,
-    rescale_gradient_,
-    scaled_gradient,
+    rescale_gradient,
 )
-from lstrain.ops.first_order import graph_freed_after_backward, refuse_create_graph
+from lstrain.ops.first_order import refuse_create_graph
 from lstrain.ops.layout import cdiv
 
 __all__ = [
@@ -169,15 +168,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         refuse_create_graph("linear_cross_entropy")
         if ctx.reduction == "none":
             return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None, None)
-        grads = ctx.saved_tensors
-        if not torch.compiler.is_compiling() and not graph_freed_after_backward():
-            # the graph is kept for another backward, which must find the gradients as forward left them
-            grads = [None if grad is None else scaled_gradient(grad, grad_loss) for grad in grads]
-        else:
-            for grad in grads:
-                if grad is not None:
-                    rescale_gradient_(grad, grad_loss)
-        grad_hidden, grad_weight, grad_bias = grads
+        grad_hidden, grad_weight, grad_bias = (
+            None if grad is None else rescale_gradient(grad, grad_loss) for grad in ctx.saved_tensors
+        )
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
