@@ -55,17 +55,19 @@ SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 12
 def _describe(kernel, args, kwargs) -> dict:
     """A launch as JSON: the signature, constexprs and divisibility hints Triton's runtime
     would derive from these arguments (ints equal to 1 become constexprs, ints and
-    pointers divisible by 16 get the hint)."""
+    pointers divisible by 16 get the hint; neither for the kernel's ``do_not_specialize``)."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     names = kernel.arg_names
     values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
     constexpr_names = {p for p in names if "constexpr" in str(kernel.fn.__annotations__.get(p, ""))}
+    unspecialized = set(kernel.kwargs.get("do_not_specialize") or ())
     signature, constexprs, divisible = {}, {}, []
     for index, name in enumerate(names):
         value = values.get(name)
-        if name in constexpr_names or value is None or (isinstance(value, int) and value == 1):
+        plain = name in unspecialized
+        if name in constexpr_names or value is None or (isinstance(value, int) and value == 1 and not plain):
             signature[name] = "constexpr"
             constexprs[name] = value
         elif isinstance(value, torch.Tensor):
@@ -76,7 +78,7 @@ def _describe(kernel, args, kwargs) -> dict:
             signature[name] = "i1"
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not plain:
                 divisible.append(index)
         elif isinstance(value, float):
             signature[name] = "fp32"
@@ -92,6 +94,7 @@ def _describe(kernel, args, kwargs) -> dict:
         "signature": signature,
         "constexprs": constexprs,
         "divisible": divisible,
+        "unspecialized": sorted(names.index(name) for name in unspecialized),
         "options": options,
     }
 
@@ -176,12 +179,14 @@ def compile_one(launch: dict, arch: int) -> dict:
 
 
 def _aligned(launch: dict) -> bool:
-    """Every pointer and integer argument of the launch divisible by 16: 1-2 byte accesses
-    are then a lost vectorisation, not an odd shape's due."""
+    """Every pointer and integer argument of the launch divisible by 16 (counts the kernel
+    does not specialize on aside): 1-2 byte accesses are then a lost vectorisation, not an
+    odd shape's due."""
     names = list(launch["signature"])
     runtime = [i for i, name in enumerate(names) if launch["signature"][name] != "constexpr"]
     types = [launch["signature"][name] for name in names]
     scalars = {i for i in runtime if types[i].startswith("fp") or types[i] == "i1"}
+    scalars |= set(launch.get("unspecialized", ()))
     return all(i in launch["divisible"] or i in scalars for i in runtime)
 
 

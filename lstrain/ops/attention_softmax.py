@@ -57,7 +57,7 @@ def _causal_load_mask(col, q, RUN: tl.constexpr):
     return col[None, :] < ((q // RUN + 1) * RUN)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads", "q_len"])
 def _attention_softmax_fwd_kernel(
     x_ptr,
     y_ptr,
@@ -119,7 +119,7 @@ def _attention_softmax_fwd_kernel(
     tl.store(y_ptr + row[:, None] * k_len + col[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len"])
 def _attention_softmax_bwd_kernel(
     y_ptr,
     dy_ptr,

@@ -217,7 +217,7 @@ def _write_zeros(grad_ptr, grad_start, head, lanes, grad_body, vocab, LANES: tl.
     tl.store(grad_ptr + grad_body + full * CHUNK, zeros, mask=in_row, eviction_policy="evict_first")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "ignore_index"])
 def _cross_entropy_fwd_kernel(
     logits_ptr,
     target_ptr,
@@ -308,7 +308,7 @@ def _cross_entropy_fwd_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "ignore_index"])
 def _cross_entropy_bwd_kernel(
     logits_ptr,
     target_ptr,
@@ -362,7 +362,7 @@ def _scale_kernel(grad_ptr, out_ptr, grad_output_ptr, elements, IN_PLACE: tl.con
         tl.store(out_ptr + idx, (g * factor).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ignore_index"])
 def _count_kept_kernel(target_ptr, count_ptr, rows, ignore_index, BLOCK: tl.constexpr):
     """How many targets are not ignore_index, by one program (the counts are small: one
     launch instead of torch's comparison and sum)."""

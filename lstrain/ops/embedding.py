@@ -49,7 +49,7 @@ def _count_ids(ids, token, valid, count_ptr, owner_ptr):
     tl.atomic_max(owner_ptr + ids, token.to(tl.int32) + 1, mask=valid, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["vocab", "max_positions", "seq_len", "padding_idx"])
 def _embedding_fwd_kernel(
     ids_ptr,
     positions_ptr,
@@ -128,7 +128,7 @@ def _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, DROPOUT: tl.const
     return g
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "padding_idx"])
 def _count_kernel(ids_ptr, count_ptr, owner_ptr, tokens, rows, padding_idx, BLOCK: tl.constexpr):
     """Per-row counts of a table looked up at ``ids`` (see :func:`_count_ids`); padding
     and out-of-range ids are not counted."""
@@ -198,7 +198,7 @@ def _scatter_phase(
             tl.store(table_ptr + ids[:, None] * dim + col[None, :], s.to(table_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "padding_idx"])
 def _scatter_kernel(
     dy_ptr,
     ids_ptr,
@@ -273,7 +273,7 @@ def _position_row(
     tl.store(table_ptr + row * dim + col, total.to(table_ptr.dtype.element_ty), mask=col < dim)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len", "sequences", "padding_idx", "scatter_programs", "zero_programs"])
 def _first_pass_kernel(
     dy_ptr,
     ids_ptr,
@@ -338,7 +338,7 @@ def _tokens_sum(dy_ptr, order_ptr, seed_ptr, begin, end, col, col_ok, dim, p, DR
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["key_offset", "rows", "padding_idx"])
 def _run_sum_kernel(
     dy_ptr,
     sorted_ids_ptr,
