@@ -95,7 +95,9 @@ def compare_to_reference(
             f"torch {tuple(torch_lowp.shape)}"
         )
     atol = DEFAULT_ATOL.get(actual.dtype, 1e-5) if atol is None else atol
-    a, p = (v.detach().to(torch.float64).cpu() for v in (actual, precise))
+    # fp64 on the tensors' own device: on a GPU the rule's few passes over each tensor
+    # take milliseconds; on a 2-core CPU 1.3 s for a 12M-element tensor and two samples of torch's error
+    a, p = (v.detach().to(device=actual.device, dtype=torch.float64) for v in (actual, precise))
     nan_diff = torch.isnan(a) != torch.isnan(p)
     if nan_diff.any():
         first = tuple(int(i) for i in nan_diff.nonzero()[0])
@@ -115,7 +117,7 @@ def compare_to_reference(
 
 def _max_error(lowp: torch.Tensor, precise: torch.Tensor) -> float:
     """Largest finite |lowp - precise| (in fp64), ignoring non-finite references."""
-    lowp, precise = (v.detach().to(torch.float64).cpu() for v in (lowp, precise))
+    lowp, precise = (v.detach().to(device=lowp.device, dtype=torch.float64) for v in (lowp, precise))
     finite = torch.isfinite(precise)
     err = torch.nan_to_num(torch.where(finite, (lowp - precise).abs(), 0.0), nan=0.0, posinf=0.0)
     return err.max().item() if err.numel() else 0.0
