@@ -68,6 +68,31 @@ def _bias_act_dropout_fwd_kernel(
 
 
 @triton.jit
+def _bwd_tile(
+    x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, first, rows, col, cols, x_row_stride, dy_row_stride, p, scale,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, ROW_MASK: tl.constexpr,
+):  # fmt: skip
+    """dx of rows ``first + arange(BLOCK_ROWS)``, stored; returns it unscaled, zero outside x."""
+    row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
+    mask = (col < cols)[None, :]
+    if ROW_MASK:
+        mask &= (row < rows)[:, None]
+    z = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += bias
+    offsets = row[:, None] * cols + col[None, :]
+    if DROPOUT:
+        keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
+        g = apply_dropout(g, keep, p)
+    _, slope = apply_activation(z, ACT)
+    g = tl.where(mask, g * slope, 0.0)
+    tl.store(dx_ptr + offsets, (g * tl.cast(scale, tl.float32)).to(dx_ptr.dtype.element_ty), mask=mask)
+    return g
+
+
+@triton.jit
 def _bias_act_dropout_bwd_kernel(
     x_ptr,
     bias_ptr,
@@ -93,25 +118,25 @@ def _bias_act_dropout_bwd_kernel(
     group = tl.program_id(1)
     groups = tl.num_programs(1)
     p = tl.cast(p, tl.float32)
+    bias = tl.zeros([1, BLOCK_COLS], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-    for first in tl.range(group * BLOCK_ROWS, rows, groups * BLOCK_ROWS, num_stages=NUM_STAGES):
-        row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
-        mask = (row < rows)[:, None] & (col < cols)[None, :]
-        z = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += bias
-        offsets = row[:, None] * cols + col[None, :]
-        if DROPOUT:
-            keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
-            g = apply_dropout(g, keep, p)
-        _, slope = apply_activation(z, ACT)
-        g = tl.where(mask, g * slope, 0.0)
-        tl.store(dx_ptr + offsets, (g * tl.cast(scale, tl.float32)).to(dx_ptr.dtype.element_ty), mask=mask)
-        if BIAS_GRAD:
-            acc += g
+    # Whole tiles go without a row mask: with one, a row count that is not a multiple of 16
+    # (Triton then cannot prove that a tile's rows share one predicate) made this loop 25%
+    # slower on an H200 (238 against 191 us at 16383 x 4096, gelu, dropout 0.1). The
+    # forward, one tile per program, lost only 3% and is left as it is.
+    whole = rows // BLOCK_ROWS
+    for tile in tl.range(group, whole, groups, num_stages=NUM_STAGES):
+        acc += _bwd_tile(
+            x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, tile * BLOCK_ROWS, rows, col, cols, x_row_stride, dy_row_stride,
+            p, scale, ACT, HAS_BIAS, DROPOUT, BLOCK_ROWS, BLOCK_COLS, False,
+        )  # fmt: skip
+    if (whole * BLOCK_ROWS < rows) & (whole % groups == group):  # the partial last tile, in its walker's turn
+        acc += _bwd_tile(
+            x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, whole * BLOCK_ROWS, rows, col, cols, x_row_stride, dy_row_stride,
+            p, scale, ACT, HAS_BIAS, DROPOUT, BLOCK_ROWS, BLOCK_COLS, True,
+        )  # fmt: skip
     if BIAS_GRAD:
         tl.store(partial_ptr + group.to(tl.int64) * cols + col, tl.sum(acc, axis=0), mask=col < cols)
 
