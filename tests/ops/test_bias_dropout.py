@@ -33,6 +33,7 @@ def _case(shape=(3, 40), dtype=torch.float32, bias=True, dropout=0.1, training=T
 @example(case=_case(shape=(2, 3, 1025), dtype=torch.bfloat16, dropout=0.5))  # two column blocks
 @example(case=_case(dtype=torch.float16, bias=False, training=False, activation="gelu_tanh"))
 @example(case=_case(shape=(70, 33), dropout=0.9, activation="silu"))
+@example(case=_case(shape=(11, 1024), dtype=torch.bfloat16))  # 2 whole 4-row tiles + the 3rd walker's partial one
 @example(case=_case(dropout=0.0, activation="relu"))
 def test_matches_torch_under_the_same_mask(op, case):
     result = OP_CHECKS[op].run(case, DEVICE)
