@@ -36,6 +36,22 @@ def test_check_function_takes_torchs_error_over_perturbed_samples():
     assert all(c.torch_error >= d.torch_error for c, d in zip(three, one, strict=True))
 
 
+def test_check_function_is_reproducible_from_its_generator(device):
+    """The upstream gradients and perturbations are drawn on the tensors' device, seeded from
+    the CPU generator: the same seed gives the same errors, another seed other draws."""
+    x = {"x": torch.randn(64, 5, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)}
+
+    def summed(x):
+        return x.sum(0)
+
+    def errors(seed):
+        results = check_function(summed, summed, x, generator=torch.Generator().manual_seed(seed))
+        return [(c.error, c.torch_error) for c in results]
+
+    assert errors(1) == errors(1)
+    assert errors(1) != errors(2)
+
+
 def test_atol_scales_with_the_reference_magnitude():
     precise = torch.tensor([100.0], dtype=torch.float64)
     c = compare_to_reference("y", precise + 0.05, precise, precise, atol=1e-3)
