@@ -4,7 +4,7 @@
 device (the GPU if there is one, else the Triton interpreter on the CPU), printed as a
 table; exit code 1 if any check fails. The (op, dtype) rows run in parallel processes:
 on a GPU a check is bound by Triton compiling its kernels' variants on one CPU core
-(about 1500 distinct compilations for all rows), so the cores share that work.
+(well over 1100 distinct compilations for all rows), so the cores share that work.
 """
 
 from __future__ import annotations

@@ -41,11 +41,12 @@ def test_unknown_op_is_an_error(capsys):
     assert "unknown op(s) nope" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("examples", ["0", "-1", "many"])
-def test_examples_must_be_a_positive_count(capsys, examples):
+@pytest.mark.parametrize("option", ["--examples", "--jobs"])
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_counts_must_be_positive_whole_numbers(capsys, option, value):
     with pytest.raises(SystemExit):
-        cli.main(["check", "layer_norm", "--examples", examples])
-    assert "--examples" in capsys.readouterr().err
+        cli.main(["check", "layer_norm", option, value])
+    assert option in capsys.readouterr().err
 
 
 def test_no_command_is_a_usage_error():
