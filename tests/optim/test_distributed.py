@@ -45,6 +45,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, use_ddp: bool) 
         optimizer.step()
     params = [p.detach().clone() for p in model.parameters()]
     torch.save({"params": params, "reductions": reductions}, os.path.join(out_dir, f"rank{rank}.pt"))
+    # DDP's reducer and the hook's futures go before the group: left to the interpreter's
+    # exit, gloo's threads could still hold them and abort the process (3 of 30 runs did)
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 
