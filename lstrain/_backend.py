@@ -113,6 +113,14 @@ def has_tma(device_index: int) -> bool:
     return device_index < 0 or torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def has_async_copy(device_index: int) -> bool:
+    """Whether a CUDA device copies global to shared memory asynchronously (cp.async:
+    Ampere, sm_80, or newer), which Gluon kernels use; False for the interpreter, which
+    runs no Gluon."""
+    return device_index >= 0 and torch.cuda.get_device_capability(device_index)[0] >= 8
+
+
 def device_index(tensor: torch.Tensor) -> int:
     """CUDA device index of ``tensor``, or -1 for a CPU tensor."""
     return tensor.device.index if tensor.is_cuda else -1

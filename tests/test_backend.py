@@ -24,12 +24,14 @@ def test_record_backends_collects_and_nests():
 
 
 def test_device_limits():
-    """The interpreter reports an H200's shared memory and TMA; a GPU its own (Triton checks
-    launches against the same opt-in maximum)."""
+    """The interpreter reports an H200's shared memory and TMA but no asynchronous copies
+    (it runs no Gluon); a GPU its own (Triton checks launches against the same opt-in maximum)."""
     index = _backend.device_index(torch.zeros(1, device=DEVICE))
     if index < 0:
         assert _backend.shared_memory_per_program(index) == _backend.HOPPER_SHARED_MEMORY
         assert _backend.has_tma(index)
+        assert not _backend.has_async_copy(index)
     else:
         assert 48 * 1024 <= _backend.shared_memory_per_program(index) <= _backend.HOPPER_SHARED_MEMORY
         assert _backend.has_tma(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
+        assert _backend.has_async_copy(index) == (torch.cuda.get_device_capability(index)[0] >= 8)

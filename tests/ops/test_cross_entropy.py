@@ -5,12 +5,13 @@ import torch
 from hypothesis import example, given
 
 import lstrain
-from lstrain._backend import record_backends
+from lstrain._backend import record_backends, shared_memory_per_program
 from lstrain.ops import cross_entropy, cross_entropy_ref
 from lstrain.ops.cross_entropy import (
     CrossEntropyPlan,
     _launch_layout,
     _rows_aligned,
+    cross_entropy_fwd,
     cross_entropy_plan,
     scale_gradient_,
 )
@@ -233,6 +234,66 @@ def test_launch_plan():
             assert 1 <= plan.num_warps <= 32 and plan.block <= max(128, 2 * vocab)
     with pytest.raises(ValueError, match="work"):
         cross_entropy_plan(1000, work="both")
+
+
+def test_resident_plans():
+    """Rows held in shared memory where the Gluon kernel runs, the row fits and the work is
+    the forward with its gradient; the two-sweep kernel everywhere else."""
+    h200, a100 = 232448, 166912
+    assert cross_entropy_plan(50257, shared_memory=h200) == CrossEntropyPlan(4096, 8, resident=13)
+    assert cross_entropy_plan(32000, shared_memory=h200) == CrossEntropyPlan(4096, 8, resident=8)
+    assert cross_entropy_plan(65536, shared_memory=h200) == CrossEntropyPlan(8192, 16, resident=8)
+    assert cross_entropy_plan(128256, shared_memory=h200) == CrossEntropyPlan(8192, 16, resident=14, held=16384)
+    assert cross_entropy_plan(50257, 4, shared_memory=h200) == CrossEntropyPlan(4096, 16, resident=13)
+    assert cross_entropy_plan(50257, shared_memory=a100) == CrossEntropyPlan(8192, 16, resident=7)
+    assert cross_entropy_plan(32000, shared_memory=a100) == CrossEntropyPlan(4096, 8, resident=8)
+    for vocab, element_size, shared_memory in ((151936, 2, h200), (128256, 2, a100), (8192, 2, h200), (4096, 4, h200)):
+        assert cross_entropy_plan(vocab, element_size, shared_memory=shared_memory).resident == 0
+    for work in ("loss", "gradient"):
+        assert cross_entropy_plan(50257, work=work, shared_memory=h200).resident == 0
+    assert cross_entropy_plan(50257, aligned=False, shared_memory=h200).resident == 0
+    assert cross_entropy_plan(50257, shared_memory=0).resident == 0
+    for vocab in range(8193, 140000, 997):  # the row always fits what the plan holds
+        plan = cross_entropy_plan(vocab, shared_memory=h200)
+        if plan.resident:
+            assert plan.resident * plan.block + plan.held >= vocab
+            assert plan.resident * plan.block * 2 <= h200 - 2048
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "vocab, dtype",
+    [(20011, torch.bfloat16), (50257, torch.float16), (70001, torch.bfloat16), (128256, torch.bfloat16),
+     (50257, torch.float32)],
+)  # fmt: skip
+def test_rows_held_in_shared_memory_match_the_two_sweep_kernel(vocab, dtype):
+    """The Gluon kernel (two rows per SM, one, and one with logits held in registers) against
+    the two-sweep kernel on the same rows: fp32 statistics that differ only in the order of
+    their sums, gradients within an ulp (fp32: 1e-5); in place the same bits as into a new
+    buffer."""
+    plan = cross_entropy_plan(vocab, dtype.itemsize, shared_memory=shared_memory_per_program(0))
+    assert plan.resident and (plan.held > 0) == (vocab == 128256)
+    gen = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = 4 * torch.randn(7, vocab, device="cuda", generator=gen).to(dtype)
+    logits[1, 5] = float("-inf")
+    target = torch.tensor([0, vocab - 1, -100, 17, vocab // 2, 3, vocab - 2], device="cuda")
+    two_sweep = cross_entropy_plan(vocab, dtype.itemsize)
+    for smoothing, z_loss, scale in ((0.1, 0.0, "mean"), (0.0, 1e-3, "sum"), (1.0, 0.0, "mean")):
+        count = (target != -100).sum().to(torch.int32)
+        grad = torch.empty_like(logits)
+        loss, stats = cross_entropy_fwd(logits, target, smoothing, -100, z_loss, scale, grad, count)  # resident
+        grad_ref = torch.empty_like(logits)
+        options = (smoothing, -100, z_loss, scale)
+        loss_ref, stats_ref = cross_entropy_fwd(logits, target, *options, grad_ref, count, two_sweep)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stats, stats_ref, rtol=1e-5, atol=0)
+        # fp32 keeps the sums' rounding (a few 1e-7), 16-bit types round it away but for an ulp
+        ulp = max(torch.finfo(dtype).eps, 1e-5) * grad_ref.float().abs() + 1e-9
+        assert ((grad.float() - grad_ref.float()).abs() <= ulp).all()
+        assert (grad[2] == 0).all()
+        in_place = logits.clone()
+        cross_entropy_fwd(in_place, target, *options, in_place, count)
+        assert torch.equal(in_place, grad)
 
 
 def test_alignment_hint_only_where_it_holds():
