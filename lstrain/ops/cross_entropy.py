@@ -601,12 +601,17 @@ def cross_entropy_plan(
         ValueError: ``work`` is none of the three.
 
     Resident plans (H200, bf16, smoothing 0.1, kernel alone; eighteenth session of
-    2026-12-01, runs 1-2): two rows per SM while two fit, in 8 KB chunks on 8 warps: 856 us
-    at 16384 x 50257 against 965 for the two-sweep kernel below, 508 against 548 at 16384 x
-    32000 (4 warps: 1051 and 560); one row per SM beyond, in 16 KB chunks on 16 warps with up
-    to 32 KB more in registers: 1112 us at 8192 x 128256 against 1238 (14 chunks and 32 KB
-    held; 12 chunks and 64 KB held 1189, on 32 warps 1321; all in shared memory but the
-    last 50 KB, streamed and re-read, 1686). Longer rows take the two-sweep kernel.
+    2026-12-01, runs 1-4): two rows per SM while two fit, in 8 KB chunks on 8 warps: 856 us
+    at 16384 x 50257 against 956-965 for the two-sweep kernel below, 508 against 548 at
+    16384 x 32000 (4 warps: 1051 and 560), 550 against 580 at 65536 x 8192, 812 against
+    1072 at 65536 x 12288; rows of 12 KB break even (508-510 against 511-512 us at 65536 x
+    6144) and of 8 KB lose (364 against 342 at 65536 x 4096), hence rows over 8 KB. One row
+    per SM beyond, in 16 KB chunks on 16 warps with up to 32 KB more in registers: 1112 us
+    at 8192 x 128256 against 1238 (14 chunks and 32 KB held; 12 chunks and 64 KB held 1189,
+    on 32 warps 1321; all in shared memory but the last 50 KB, streamed and re-read, 1686),
+    903 against 1112 at 8234 x 100000, 796 against 927 at 14359 x 57344; fp32 1041-1689
+    against 1242-1880 us (V = 8192-50257). Longer rows take the two-sweep kernel (5419 x
+    151936: 996 us).
 
     Two sweeps want the second read of a row to come from L2, so few rows may be in flight
     (programs resident per SM x 132 SMs x row bytes within L2's 50 MB), each with many bytes
@@ -626,7 +631,7 @@ def cross_entropy_plan(
     if work not in ("loss_and_gradient", "loss", "gradient"):
         raise ValueError(f"work must be 'loss_and_gradient', 'loss' or 'gradient', got {work!r}")
     row_bytes = vocab * element_size
-    if work == "loss_and_gradient" and aligned and shared_memory > 0 and row_bytes > 16384:
+    if work == "loss_and_gradient" and aligned and shared_memory > 0 and row_bytes > 8192:
         runs = cdiv(row_bytes, 16)  # whole 16-byte runs a row's body can hold, at most
         if cdiv(runs, 512) * 8192 <= shared_memory // 2 - _SHARED_MEMORY_SLACK:
             return CrossEntropyPlan(8192 // element_size, 8, resident=cdiv(runs, 512))
