@@ -19,6 +19,7 @@ import itertools
 import torch
 from triton.testing import do_bench
 
+from lstrain._backend import shared_memory_per_program
 from lstrain.ops.attention_softmax import (
     AttentionSoftmaxPlan,
     attention_softmax_bwd,
@@ -64,13 +65,17 @@ def sweep_cross_entropy(quick: bool) -> None:
         grad = torch.empty_like(logits)
         valid = (target >= 0).sum()
         for write_grad in (True, False):
-            default = cross_entropy_plan(vocab, 2, "loss_and_gradient" if write_grad else "loss")
+            shared_memory = shared_memory_per_program(0) if write_grad else 0
+            default = cross_entropy_plan(vocab, 2, "loss_and_gradient" if write_grad else "loss", True, shared_memory)
+            # the two-sweep kernel's grid, and the resident plan where the row fits
+            grid = [
+                CrossEntropyPlan(block, warps)
+                for block, warps in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32))
+                if 4 <= block // (warps * 32) <= 64
+            ]
             results = []
-            for block, warps in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32)):
-                if block // (warps * 32) < 4 or block // (warps * 32) > 64:
-                    continue
-                plan = CrossEntropyPlan(block, warps)
-                if quick and (block, warps) != (default.block, default.num_warps):
+            for plan in grid + ([default] if default.resident else []):
+                if quick and plan != default:
                     continue
                 run = functools.partial(
                     cross_entropy_fwd, logits, target, 0.1, -100, 0.0,

@@ -609,7 +609,9 @@ def cross_entropy_plan(
     per SM beyond, in 16 KB chunks on 16 warps with up to 32 KB more in registers: 1112 us
     at 8192 x 128256 against 1238 (14 chunks and 32 KB held; 12 chunks and 64 KB held 1189,
     on 32 warps 1321; all in shared memory but the last 50 KB, streamed and re-read, 1686),
-    903 against 1112 at 8234 x 100000, 796 against 927 at 14359 x 57344; fp32 1041-1689
+    903 against 1112 at 8234 x 100000, 796 against 927 at 14359 x 57344 (but 965-1025
+    against 957-960 at 12564 x 65536, any row stride, and 993-1000 against 990-994 at
+    65528: a tie, where two rows per SM with 32 KB held lost 1048-1083); fp32 1041-1689
     against 1242-1880 us (V = 8192-50257). Longer rows take the two-sweep kernel (5419 x
     151936: 996 us).
 
