@@ -790,7 +790,7 @@ def _launch_scale(grad: torch.Tensor, out: torch.Tensor, grad_output: torch.Tens
     _scale_kernel[(programs,)](grad, out, grad_output, elements, IN_PLACE=out is grad, BLOCK=4096, num_warps=8)
 
 
-def _count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def count_kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """The number of targets that are not ``ignore_index``, as a 0-d integer tensor on their
     device (no host sync); torch's own ops under torch.compile, which fuses them."""
     if torch.compiler.is_compiling():
@@ -801,7 +801,7 @@ def _count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return count
 
 
-def _reduce_loss(loss: torch.Tensor, count: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def reduce_row_losses(loss: torch.Tensor, count: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The 0-d sum of the fp32 per-row ``loss``, divided by ``count`` (mean) unless it is
     None, in ``dtype``; under torch.compile, torch's own ops, left in fp32 (the caller's
     cast follows)."""
@@ -914,7 +914,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         needs_grad = ctx.needs_input_grad[0]
         grad_scale = reduction if needs_grad and reduction != "none" else None
         # only a mean needs the count: one launch fewer per call otherwise
-        valid_rows = _count_kept(target, ignore_index) if reduction == "mean" else None
+        valid_rows = count_kept_rows(target, ignore_index) if reduction == "mean" else None
         grad_out = None
         if grad_scale is not None and not torch.compiler.is_compiling():
             in_place = inplace_backward and logits.is_contiguous()
@@ -928,7 +928,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, target, stats)
         if reduction == "none":
             return loss.view(target.shape)
-        return _reduce_loss(loss, valid_rows, logits.dtype)
+        return reduce_row_losses(loss, valid_rows, logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -27,9 +27,11 @@ from lstrain.ops.autocast import autocast_inputs
 from lstrain.ops.cross_entropy import (
     check_loss_options,
     check_target_range,
+    count_kept_rows,
     cross_entropy_ref,
     loss_and_gradient,
     recompute_gradient,
+    reduce_row_losses,
     rescale_gradient,
 )
 from lstrain.ops.first_order import refuse_create_graph
@@ -95,7 +97,7 @@ class _ChunkGradients:
 
     def add(self, rows: slice, grad_logits: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
         if self.hidden is not None:
-            self.hidden[rows] = grad_logits @ weight
+            torch.mm(grad_logits, weight, out=self.hidden[rows])  # no product buffer, no copy
         if self.weight is not None:
             first = rows.start == 0
             if first and self.weight.dtype == grad_logits.dtype:
@@ -135,8 +137,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
         grad_scale = reduction if any(needs) and reduction != "none" else None
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        # only a mean needs the count: one reduction kernel fewer per call otherwise
-        valid_rows = (target != ignore_index).sum() if reduction == "mean" else None
+        # only a mean needs the count: one launch fewer per call otherwise
+        valid_rows = count_kept_rows(target, ignore_index) if reduction == "mean" else None
         grads = _ChunkGradients(hidden, weight, needs, fp32_sum) if grad_scale is not None else None
         for rows in _chunks(tokens, vocab, hidden, chunk_bytes):
             logits = _chunk_logits(hidden[rows], weight, bias)
@@ -160,8 +162,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, target, bias)
         if reduction == "none":
             return loss
-        total = loss.sum()
-        return total / valid_rows if reduction == "mean" else total
+        # in hidden's dtype already (outside torch.compile): the caller's cast is then no
+        # node of the graph, whose backward would cost a launch and an engine step
+        return reduce_row_losses(loss, valid_rows, hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
