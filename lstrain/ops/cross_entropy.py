@@ -132,6 +132,44 @@ def _gradient(x, row_max, e_scale, uniform):
 
 
 @triton.jit
+def _row_loss(
+    log_sum_exp, row_max, x_target, total, vocab, smoothing, z_loss, bad, HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):  # fmt: skip
+    """lse - sum_j p_j x_j (+ z lse^2) from a row's statistics, ``total`` its sum of logits
+    (used only with smoothing); NaN for a bad target. Written around the row max so that
+    no large lse cancels."""
+    loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
+    if HAS_SMOOTHING:
+        loss += smoothing * (row_max - total / vocab)
+    if HAS_Z_LOSS:
+        loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
+    return tl.where(bad, float("nan"), loss)
+
+
+@triton.jit
+def _gradient_factors(row_max, sum_exp, scale, smoothing, z_loss, vocab, HAS_Z_LOSS: tl.constexpr):
+    """``(1 / sum_exp, z', e_scale, uniform)`` for :func:`_gradient` and
+    :func:`_target_gradient`: z' = 2 z lse, e_scale = (1 + z') scale / sum_exp, uniform =
+    (a / V) scale."""
+    inverse_sum = 1.0 / sum_exp
+    z_factor = 0.0
+    if HAS_Z_LOSS:
+        z_factor = 2.0 * z_loss * (row_max + tl.log(sum_exp))
+    return inverse_sum, z_factor, inverse_sum * (1.0 + z_factor) * scale, smoothing / vocab * scale
+
+
+@triton.jit
+def _target_gradient(x_target, row_max, sum_exp, inverse_sum, z_factor, smoothing, vocab, scale):
+    """q (1 + z') - p at the target column, as (q - 1) + a (1 - 1 / V) + q z' with q - 1 =
+    (e - sum_exp) / sum_exp: where q is near 1 (a confident row, or V = 1) q (1 + z') and p
+    nearly cancel."""
+    e_target = _exp(x_target.to(tl.float32) - row_max)
+    g_target = (e_target - sum_exp) * inverse_sum + smoothing * (1.0 - 1.0 / vocab) + e_target * inverse_sum * z_factor
+    return g_target * scale
+
+
+@triton.jit
 def _write_gradient(
     x_ptr,
     grad_ptr,
@@ -168,12 +206,9 @@ def _write_gradient(
     exp(x - lse) would carry lse's rounding (an ulp of a large logsumexp) into every q.
     """
     CHUNK: tl.constexpr = LANES * RUN
-    inverse_sum = 1.0 / sum_exp
-    z_factor = 0.0
-    if HAS_Z_LOSS:
-        z_factor = 2.0 * z_loss * (row_max + tl.log(sum_exp))
-    e_scale = inverse_sum * (1.0 + z_factor) * scale
-    uniform = smoothing / vocab * scale
+    inverse_sum, z_factor, e_scale, uniform = _gradient_factors(
+        row_max, sum_exp, scale, smoothing, z_loss, vocab, HAS_Z_LOSS
+    )
     # The target column is written last, over the sweep's value (read now: the sweep may
     # overwrite the logits in place), so that the sweep needs no per-logit compare.
     has_target = (target >= 0) & (target < vocab)
@@ -208,11 +243,7 @@ def _write_gradient(
         tl.store(grad_ptr + grad_body, g.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
     # The barrier orders every thread's sweep stores before this one to the same address.
     tl.debug_barrier()
-    # q (1 + z') - p at the target, as (q - 1) + a (1 - 1 / V) + q z' with q - 1 = (e - sum_exp) /
-    # sum_exp: where q is near 1 (a confident row, or V = 1) q (1 + z') and p nearly cancel.
-    e_target = _exp(x_target.to(tl.float32) - row_max)
-    g_target = (e_target - sum_exp) * inverse_sum + smoothing * (1.0 - 1.0 / vocab) + e_target * inverse_sum * z_factor
-    g_target *= scale
+    g_target = _target_gradient(x_target, row_max, sum_exp, inverse_sum, z_factor, smoothing, vocab, scale)
     tl.store(grad_ptr + grad_start + target, g_target.to(grad_ptr.dtype.element_ty), mask=has_target)
 
 
@@ -299,14 +330,10 @@ def _cross_entropy_fwd_kernel(
         sum_exp = tl.sum(run_sum * _exp(run_max - row_max), axis=0) + tl.sum(_exp(x_loose - row_max), axis=0)
         log_sum_exp = tl.log(sum_exp)
         x_target = tl.load(logits_ptr + start + target, mask=~bad, other=0.0).to(tl.float32)
-        # lse - sum_j p_j x_j, written around the row max so that no large lse cancels.
-        loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
-        if HAS_SMOOTHING:
-            total = tl.sum(run_total, axis=0) + tl.sum(tl.where(ok, x_loose, 0.0), axis=0)
-            loss += smoothing * (row_max - total / vocab)
-        if HAS_Z_LOSS:
-            loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
-        loss = tl.where(bad, float("nan"), loss)
+        total = tl.sum(run_total, axis=0) + tl.sum(tl.where(ok, x_loose, 0.0), axis=0)
+        loss = _row_loss(
+            log_sum_exp, row_max, x_target, total, vocab, smoothing, z_loss, bad, HAS_SMOOTHING, HAS_Z_LOSS
+        )
         tl.store(loss_ptr + row, loss)
         tl.store(stats_ptr + row, row_max)
         tl.store(stats_ptr + rows + row, sum_exp)
@@ -319,12 +346,6 @@ def _cross_entropy_fwd_kernel(
                 logits_ptr, grad_ptr, start, grad_start, head, lanes, body, grad_body, vocab, target, row_max, sum_exp,
                 scale, smoothing, z_loss, HAS_Z_LOSS, LANES, RUN, "evict_first",
             )  # fmt: skip
-
-
-@gluon.jit
-def _resident_exp(x):
-    """:func:`_exp` for the Gluon kernel (ex2.approx.ftz)."""
-    return gl.exp2(x * 1.4426950408889634)
 
 
 @gluon.jit(do_not_specialize=["rows", "ignore_index"])
@@ -410,7 +431,7 @@ def _cross_entropy_resident_kernel(
         if HELD > 0:
             x_held = held.to(gl.float32)
             held_max = gl.maximum(gl.max(gl.max(x_held, axis=1), axis=0), held_max)
-            held_sum = gl.sum(gl.sum(_resident_exp(x_held - held_max), axis=1), axis=0)
+            held_sum = gl.sum(gl.sum(_exp(x_held - held_max), axis=1), axis=0)
             if HAS_SMOOTHING:
                 held_total = gl.sum(gl.sum(gl.where(held_in_row, x_held, 0.0), axis=1), axis=0)
         run_max = gl.full([LANES], -3.4028234663852886e38, gl.float32, LANE)
@@ -420,59 +441,47 @@ def _cross_entropy_resident_kernel(
             async_copy.wait_group(RESIDENT - 1 - c)  # chunk c has landed
             in_row = gl.expand_dims(lane + c * LANES < lanes, 1)
             x = gl.where(in_row, resident.index(c).load(BODY).to(gl.float32), -float("inf"))
-            new_max = gl.maximum(run_max, gl.max(x, axis=1))
-            run_sum = run_sum * _resident_exp(run_max - new_max) + gl.sum(
-                _resident_exp(x - gl.expand_dims(new_max, 1)), axis=1
-            )
-            run_max = new_max
+            run_max, run_sum = _chunk_stats(x, run_max, run_sum)
             if HAS_SMOOTHING:
                 run_total += gl.sum(gl.where(in_row, x, 0.0), axis=1)
         x_loose = gl.load(logits_ptr + start + col, mask=ok, other=-float("inf")).to(gl.float32)
         row_max = gl.maximum(gl.maximum(gl.max(run_max, axis=0), gl.max(x_loose, axis=0)), held_max)
         sum_exp = (
-            gl.sum(run_sum * _resident_exp(run_max - row_max), axis=0)
-            + gl.sum(_resident_exp(x_loose - row_max), axis=0)
-            + held_sum * _resident_exp(held_max - row_max)
+            gl.sum(run_sum * _exp(run_max - row_max), axis=0)
+            + gl.sum(_exp(x_loose - row_max), axis=0)
+            + held_sum * _exp(held_max - row_max)
         )
         log_sum_exp = gl.log(sum_exp)
         x_target = gl.load(logits_ptr + start + target, mask=~bad, other=0.0).to(gl.float32)
-        loss = log_sum_exp + (1.0 - smoothing) * (row_max - x_target)
-        if HAS_SMOOTHING:
-            total = gl.sum(run_total, axis=0) + gl.sum(gl.where(ok, x_loose, 0.0), axis=0) + held_total
-            loss += smoothing * (row_max - total / vocab)
-        if HAS_Z_LOSS:
-            loss += z_loss * (row_max + log_sum_exp) * (row_max + log_sum_exp)
-        loss = gl.where(bad, float("nan"), loss)
+        total = gl.sum(run_total, axis=0) + gl.sum(gl.where(ok, x_loose, 0.0), axis=0) + held_total
+        loss = _row_loss(
+            log_sum_exp, row_max, x_target, total, vocab, smoothing, z_loss, bad, HAS_SMOOTHING, HAS_Z_LOSS
+        )
         gl.store(loss_ptr + row, loss)
         gl.store(stats_ptr + row, row_max)
         gl.store(stats_ptr + rows + row, sum_exp)
-        # The gradient as _write_gradient writes it (see there for the target column).
+        # The gradient as _write_gradient writes it (see there for the target column's order).
         scale = 1.0
         if MEAN:
             scale = 1.0 / gl.maximum(gl.load(count_ptr).to(gl.float32), 1.0)
         scale = gl.where(bad, float("nan"), scale)
-        inverse_sum = 1.0 / sum_exp
-        z_factor = 0.0
-        if HAS_Z_LOSS:
-            z_factor = 2.0 * z_loss * (row_max + log_sum_exp)
-        e_scale = inverse_sum * (1.0 + z_factor) * scale
-        uniform = smoothing / vocab * scale
-        g_loose = _resident_exp(x_loose - row_max) * e_scale - uniform
+        inverse_sum, z_factor, e_scale, uniform = _gradient_factors(
+            row_max, sum_exp, scale, smoothing, z_loss, vocab, HAS_Z_LOSS
+        )
+        g_loose = _gradient(x_loose, row_max, e_scale, uniform)
         gl.store(grad_ptr + grad_start + col, g_loose.to(grad_dtype), mask=ok)
         if HELD > 0:
-            g_held = _resident_exp(x_held - row_max) * e_scale - uniform
+            g_held = _gradient(x_held, row_max, e_scale, uniform)
             gl.store(
                 grad_ptr + (grad_start - start) + held_body, g_held.to(grad_dtype), mask=held_in_row,
                 eviction_policy="evict_first",
             )  # fmt: skip
         for c in gl.static_range(RESIDENT):
             in_row = gl.expand_dims(lane + c * LANES < lanes, 1)
-            g = _resident_exp(resident.index(c).load(BODY).to(gl.float32) - row_max) * e_scale - uniform
+            g = _gradient(resident.index(c).load(BODY), row_max, e_scale, uniform)
             gl.store(grad_ptr + grad_body + c * CHUNK, g.to(grad_dtype), mask=in_row, eviction_policy="evict_first")
         _barrier()
-        e_target = _resident_exp(x_target - row_max)
-        g_target = (e_target - sum_exp) * inverse_sum + smoothing * (1.0 - 1.0 / vocab)
-        g_target = (g_target + e_target * inverse_sum * z_factor) * scale
+        g_target = _target_gradient(x_target, row_max, sum_exp, inverse_sum, z_factor, smoothing, vocab, scale)
         gl.store(grad_ptr + grad_start + target, g_target.to(grad_dtype), mask=(target >= 0) & (target < vocab))
 
 
@@ -698,6 +707,9 @@ def cross_entropy_fwd(
         grad_out: [rows, V] in the logits' dtype (may be the logits themselves).
         valid_rows: for "mean", the 0-d device tensor counting the non-ignored rows the
             mean divides by (possibly over more rows than these, e.g. chunks of a batch).
+        plan: launch settings; by default ``cross_entropy_plan``'s for these rows and this
+            device (a resident plan, the Gluon kernel, needs a CUDA device, a gradient to
+            write and 16-byte-aligned rows that fit it).
 
     Returns:
         ``(loss, stats)``: the fp32 per-row loss [rows], and fp32 [2, rows] holding each
