@@ -6,7 +6,9 @@
     python -m benchmarks.kernel_audit benchmarks/plan_grid.py   (the plans only large shapes get)
 
 Runs the tests through the Triton interpreter, records each distinct launch (kernel,
-argument types, constexprs, num_warps / num_stages), then compiles each one for sm_90, or
+argument types, constexprs, num_warps / num_stages), adds the launches of the Gluon kernels
+the interpreter cannot run (cross-entropy's rows held in shared memory, at the plans the
+device gets), then compiles each one for sm_90, or
 the ``--arch`` given (80, 86, 89, 100, 120), with ``triton.compile`` (another Triton can be put first
 on the path, e.g. the GPU machine's version: ``pip install --target DIR triton==3.6.0``).
 With ``--arch`` the tests run as on such a device (its shared memory per program and,
@@ -138,15 +140,47 @@ def record(pytest_args: list[str], arch: int) -> list[dict]:
     return list(launches.values())
 
 
+def resident_cross_entropy_launches(arch: int) -> list[dict]:
+    """Launches of cross-entropy's Gluon kernel, which the interpreter cannot run (so no test
+    launches it on the CPU): the resident plans ``cross_entropy_plan`` gives on a device of
+    compute capability ``arch`` for rows of two rows per SM, one, and one with logits held
+    in registers, in each dtype, every flag on (the most code); aligned pointers, as the
+    launcher requires."""
+    from lstrain.ops.cross_entropy import cross_entropy_plan
+
+    launches = []
+    for element, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
+        for vocab in (8193, 20011, 50257, 70001, 128256, 131072):
+            plan = cross_entropy_plan(vocab, size, shared_memory=SHARED_MEMORY[arch])
+            if not plan.resident:
+                continue
+            run = 16 // size
+            signature = {"logits_ptr": f"*{element}", "target_ptr": "*i64", "loss_ptr": "*fp32", "stats_ptr": "*fp32",
+                         "grad_ptr": f"*{element}", "count_ptr": "*i32"}  # fmt: skip
+            signature |= dict.fromkeys(("rows", "vocab", "logits_row_stride", "grad_row_stride", "ignore_index"), "i32")
+            signature |= {"smoothing": "fp32", "z_loss": "fp32"}
+            constexprs = dict.fromkeys(("HAS_SMOOTHING", "HAS_Z_LOSS", "MEAN"), True)
+            constexprs |= {"LANES": plan.block // run, "RUN": run, "RESIDENT": plan.resident, "HELD": plan.held // run}
+            constexprs |= {"NUM_WARPS": plan.num_warps}
+            launches.append({
+                "module": "lstrain.ops.cross_entropy", "kernel": "_cross_entropy_resident_kernel", "language": "gluon",
+                "signature": signature | dict.fromkeys(constexprs, "constexpr"), "constexprs": constexprs,
+                "divisible": [0, 4], "unspecialized": [6, 10], "options": {"num_warps": plan.num_warps},
+            })  # fmt: skip
+    return launches
+
+
 def compile_one(launch: dict, arch: int) -> dict:
     """Compile one launch for sm_<arch> (in this process: TRITON_INTERPRET must be unset)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["divisible"]}
-    source = ASTSource(kernel, launch["signature"], launch["constexprs"], attrs)
+    source_type = GluonASTSource if launch.get("language") == "gluon" else ASTSource
+    source = source_type(kernel, launch["signature"], launch["constexprs"], attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch["options"])
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the audit goes on
@@ -215,8 +249,8 @@ def main() -> None:
         print(f"compiling with triton {triton.__version__}", file=sys.stderr)
         print(json.dumps([compile_one(launch, args.arch) for launch in json.load(sys.stdin)]))
         return
-    launches = record(pytest_args or ["tests/ops"], args.arch)
-    print(f"\n{len(launches)} distinct launches; compiling for sm_{args.arch} in {args.jobs} processes")
+    launches = record(pytest_args or ["tests/ops"], args.arch) + resident_cross_entropy_launches(args.arch)
+    print(f"\n{len(launches)} distinct launches (and Gluon's); compiling for sm_{args.arch} in {args.jobs} processes")
     batches = [launches[i :: args.jobs] for i in range(args.jobs)]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda batch: _compile_in_child(batch, args.triton_path, args.arch), batches))

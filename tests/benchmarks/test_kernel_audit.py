@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.kernel_audit import _aligned
+from benchmarks.kernel_audit import SHARED_MEMORY, _aligned, _compile_in_child, resident_cross_entropy_launches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,20 @@ def test_compiles_for_another_architecture_with_its_shared_memory():
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "compiling for sm_86" in run.stdout and "_gemm_kernel" in run.stdout and " 0 failed" in run.stdout
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compiles_the_gluon_kernels_the_interpreter_cannot_run(arch, monkeypatch):
+    """Cross-entropy's Gluon kernel, which no CPU test can launch, compiled by the installed
+    Triton (Gluon's API moves between releases) at every kind of resident plan the device
+    gets: within its shared memory, no spills."""
+    launches = resident_cross_entropy_launches(arch)
+    plans = {(launch["constexprs"]["NUM_WARPS"], launch["constexprs"]["HELD"] > 0) for launch in launches}
+    assert plans == ({(8, False), (16, False), (16, True)} if arch == 90 else {(8, False), (16, False)})
+    monkeypatch.chdir(REPO)
+    for launch, result in zip(launches, _compile_in_child(launches, None, arch), strict=True):
+        assert "error" not in result, (launch["signature"]["logits_ptr"], launch["constexprs"], result["error"])
+        assert result["shared"] <= SHARED_MEMORY[arch] and not result["spill_bytes"], (launch["constexprs"], result)
 
 
 def test_plan_grid_collects_every_op():
