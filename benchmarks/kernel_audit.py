@@ -146,8 +146,11 @@ def resident_cross_entropy_launches(arch: int) -> list[dict]:
     compute capability ``arch`` for rows of two rows per SM, one, and one with logits held
     in registers, in each dtype, every flag on (the most code); aligned pointers, as the
     launcher requires."""
+    from lstrain.ops.cross_entropy import _cross_entropy_resident_kernel as kernel
     from lstrain.ops.cross_entropy import cross_entropy_plan
 
+    names = kernel.arg_names
+    unspecialized = sorted(names.index(name) for name in kernel.do_not_specialize)
     launches = []
     for element, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
         for vocab in (8193, 20011, 50257, 70001, 128256, 131072):
@@ -155,17 +158,17 @@ def resident_cross_entropy_launches(arch: int) -> list[dict]:
             if not plan.resident:
                 continue
             run = 16 // size
-            signature = {"logits_ptr": f"*{element}", "target_ptr": "*i64", "loss_ptr": "*fp32", "stats_ptr": "*fp32",
-                         "grad_ptr": f"*{element}", "count_ptr": "*i32"}  # fmt: skip
-            signature |= dict.fromkeys(("rows", "vocab", "logits_row_stride", "grad_row_stride", "ignore_index"), "i32")
-            signature |= {"smoothing": "fp32", "z_loss": "fp32"}
+            types = {"logits_ptr": f"*{element}", "grad_ptr": f"*{element}", "target_ptr": "*i64", "count_ptr": "*i32"}
+            types |= dict.fromkeys(("loss_ptr", "stats_ptr"), "*fp32") | dict.fromkeys(("smoothing", "z_loss"), "fp32")
+            types |= dict.fromkeys(("rows", "vocab", "logits_row_stride", "grad_row_stride", "ignore_index"), "i32")
             constexprs = dict.fromkeys(("HAS_SMOOTHING", "HAS_Z_LOSS", "MEAN"), True)
             constexprs |= {"LANES": plan.block // run, "RUN": run, "RESIDENT": plan.resident, "HELD": plan.held // run}
             constexprs |= {"NUM_WARPS": plan.num_warps}
             launches.append({
-                "module": "lstrain.ops.cross_entropy", "kernel": "_cross_entropy_resident_kernel", "language": "gluon",
-                "signature": signature | dict.fromkeys(constexprs, "constexpr"), "constexprs": constexprs,
-                "divisible": [0, 4], "unspecialized": [6, 10], "options": {"num_warps": plan.num_warps},
+                "module": kernel.fn.__module__, "kernel": kernel.fn.__name__, "language": "gluon",
+                "signature": {name: types.get(name, "constexpr") for name in names}, "constexprs": constexprs,
+                "divisible": [names.index("logits_ptr"), names.index("grad_ptr")], "unspecialized": unspecialized,
+                "options": {"num_warps": plan.num_warps},
             })  # fmt: skip
     return launches
 
