@@ -20,6 +20,7 @@ import torch
 from triton.testing import do_bench
 
 from lstrain._backend import shared_memory_per_program
+from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan, new_seed
 from lstrain.ops.attention_softmax import (
     AttentionSoftmaxPlan,
     attention_softmax_bwd,
@@ -28,7 +29,6 @@ from lstrain.ops.attention_softmax import (
 )
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual_fwd, dropout_bwd
 from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_fwd, cross_entropy_plan, scale_gradient_
-from lstrain.ops.dropout import ElementwisePlan, elementwise_plan, new_seed
 from lstrain.ops.embedding import embedding_bwd, embedding_fwd
 from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan
 from lstrain.ops.layer_norm import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lstrain.ops.activations import activation_index
+from lstrain.ops._lib.activations import activation_index
 from lstrain.ops.gemm import gemm
 
 __all__ = ["Linear"]

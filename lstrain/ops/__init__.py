@@ -1,5 +1,6 @@
 """Fused ops: each a Triton forward/backward pair behind a functional entry."""
 
+from lstrain.ops._lib.dropout import dropout_mask
 from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_ref
 from lstrain.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
@@ -19,6 +20,7 @@ __all__ = [
     "bias_dropout_residual_ref",
     "cross_entropy",
     "cross_entropy_ref",
+    "dropout_mask",
     "embedding",
     "embedding_ref",
     "gemm",

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv
 
 __all__ = [
     "AttentionSoftmaxFunction",

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.activations import ACTIVATIONS, activation_ref, apply_activation
-from lstrain.ops.dropout import (
+from lstrain.ops._lib.activations import ACTIVATIONS, activation_ref, apply_activation
+from lstrain.ops._lib.dropout import (
     apply_dropout,
     check_dropout_inputs,
     column_walkers,
@@ -22,9 +22,9 @@ from lstrain.ops.dropout import (
     elementwise_plan,
     new_seed,
 )
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv, contiguous_or_none
-from lstrain.ops.partial_sums import sum_partials
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
     "ACTIVATIONS",
@@ -283,7 +283,7 @@ def bias_act_dropout(
         dropout: drop probability in [0, 1); kept elements are scaled by 1 / (1 - p).
         training: dropout is the identity when False.
         seed: a 1-element int64 tensor on x's device fixing the mask (see
-            :func:`lstrain.ops.dropout.dropout_mask`); drawn from torch's generator when None.
+            :func:`lstrain.ops.dropout_mask`); drawn from torch's generator when None.
 
     Returns:
         y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
@@ -319,7 +319,7 @@ def bias_act_dropout_ref(
     Args:
         x, bias, activation, dropout: as for :func:`bias_act_dropout`.
         mask: bool, x's shape: which elements are kept, e.g.
-            :func:`lstrain.ops.dropout.dropout_mask` of the seed an lstrain call used;
+            :func:`lstrain.ops.dropout_mask` of the seed an lstrain call used;
             None lets torch's generator draw one.
 
     Returns:

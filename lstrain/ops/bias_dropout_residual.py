@@ -1,7 +1,7 @@
 """y = dropout(x + bias) + residual, the tail of a Transformer sublayer, in one pass.
 
 Forward reads x, bias and residual once and writes y; the dropout mask comes from a
-Philox seed (see :mod:`lstrain.ops.dropout`) and is regenerated in backward, which reads
+Philox seed (see :mod:`lstrain.ops._lib.dropout`) and is regenerated in backward, which reads
 dy once, writes dx = dy * mask / (1 - p), and sums dx over rows into dbias through
 per-program fp32 partials (deterministic). The residual's gradient is dy itself.
 """
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import (
+from lstrain.ops._lib.dropout import (
     ElementwisePlan,
     apply_dropout,
     check_dropout_inputs,
@@ -22,9 +22,9 @@ from lstrain.ops.dropout import (
     elementwise_plan,
     new_seed,
 )
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv, contiguous_or_none
-from lstrain.ops.partial_sums import sum_partials
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
     "BiasDropoutResidualFunction",
@@ -256,7 +256,7 @@ def bias_dropout_residual(
         dropout: drop probability in [0, 1); kept elements are scaled by 1 / (1 - p).
         training: dropout is the identity when False.
         seed: a 1-element int64 tensor on x's device fixing the mask (see
-            :func:`lstrain.ops.dropout.dropout_mask`); drawn from torch's generator when None.
+            :func:`lstrain.ops.dropout_mask`); drawn from torch's generator when None.
 
     Returns:
         y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
@@ -295,7 +295,7 @@ def bias_dropout_residual_ref(
     Args:
         x, bias, residual, dropout: as for :func:`bias_dropout_residual`.
         mask: bool, x's shape: which elements are kept, e.g.
-            :func:`lstrain.ops.dropout.dropout_mask` of the seed an lstrain call used;
+            :func:`lstrain.ops.dropout_mask` of the seed an lstrain call used;
             None lets torch's generator draw one.
 
     Returns:

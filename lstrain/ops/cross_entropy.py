@@ -43,8 +43,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from lstrain import _backend
-from lstrain.ops.first_order import graph_freed_after_backward, refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv
+from lstrain.ops._lib.first_order import graph_freed_after_backward, refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv
 
 __all__ = [
     "CrossEntropyFunction",

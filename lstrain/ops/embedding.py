@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import cdiv, contiguous_or_none
+from lstrain.ops._lib.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import cdiv, contiguous_or_none
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
 

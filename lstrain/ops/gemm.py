@@ -29,16 +29,16 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.activations import (
+from lstrain.ops._lib.activations import (
     ACTIVATIONS,
     activation_index,
     activation_ref,
     apply_activation,
 )
-from lstrain.ops.autocast import autocast_inputs
+from lstrain.ops._lib.autocast import autocast_inputs
+from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
+from lstrain.ops._lib.layout import cdiv, contiguous_or_none
 from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd
-from lstrain.ops.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
-from lstrain.ops.layout import cdiv, contiguous_or_none
 
 __all__ = [
     "GemmFunction",

@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import as_rows, cdiv, contiguous_or_none
-from lstrain.ops.partial_sums import sum_partials
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
     "LayerNormFunction",

@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 
 from lstrain import _backend
-from lstrain.ops.autocast import autocast_inputs
+from lstrain.ops._lib.autocast import autocast_inputs
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import cdiv
 from lstrain.ops.cross_entropy import (
     check_loss_options,
     check_target_range,
@@ -34,8 +36,6 @@ from lstrain.ops.cross_entropy import (
     reduce_row_losses,
     rescale_gradient,
 )
-from lstrain.ops.first_order import refuse_create_graph
-from lstrain.ops.layout import cdiv
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

@@ -36,10 +36,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lstrain import _backend
-from lstrain.ops.autocast import autocast_inputs
-from lstrain.ops.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
+from lstrain.ops._lib.autocast import autocast_inputs
+from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
+from lstrain.ops._lib.layout import cdiv
 from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
-from lstrain.ops.layout import cdiv
 
 __all__ = [
     "PAIR_BLOCK",

@@ -34,7 +34,7 @@ from lstrain.ops import (
     swiglu_mlp,
     swiglu_mlp_ref,
 )
-from lstrain.ops.dropout import dropout_mask
+from lstrain.ops._lib.dropout import dropout_mask
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
 from lstrain.testing.strategies import (
     FLOAT_DTYPES,

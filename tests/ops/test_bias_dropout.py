@@ -8,7 +8,7 @@ from hypothesis import example, given
 
 import lstrain
 from lstrain.ops import bias_act_dropout, bias_act_dropout_ref, bias_dropout_residual, bias_dropout_residual_ref
-from lstrain.ops.dropout import dropout_mask, elementwise_plan
+from lstrain.ops._lib.dropout import dropout_mask, elementwise_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import bias_dropout_cases

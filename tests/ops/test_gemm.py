@@ -7,9 +7,9 @@ from hypothesis import example, given
 import lstrain
 from lstrain._backend import multiprocessor_count, record_backends
 from lstrain.ops import gemm, gemm_ref
-from lstrain.ops.activations import activation_index, activation_ref
+from lstrain.ops._lib.activations import activation_index, activation_ref
+from lstrain.ops._lib.layout import cdiv
 from lstrain.ops.gemm import GemmFunction, GemmPlan, gemm_fwd, gemm_plan, small_grid_plan
-from lstrain.ops.layout import cdiv
 from lstrain.testing import assert_all_passed, check_module
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import gemm_cases

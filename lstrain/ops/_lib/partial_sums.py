@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.ops.layout import cdiv
+from lstrain.ops._lib.layout import cdiv
 
 __all__ = ["sum_partials"]
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
-from lstrain.ops.layout import cdiv
+from lstrain.ops._lib.layout import cdiv
 
 __all__ = [
     "ElementwisePlan",
@@ -141,7 +141,7 @@ def column_walkers(
         ``((column blocks, walkers per column block), partials)``: about
         ``programs_per_sm`` walkers per SM in all, at least one per column block, never more
         than there are row tiles; partials fp32 [1, walkers, cols] for
-        :func:`lstrain.ops.partial_sums.sum_partials`, or None without ``bias_grad``.
+        :func:`lstrain.ops._lib.partial_sums.sum_partials`, or None without ``bias_grad``.
     """
     col_blocks = cdiv(cols, plan.block_cols)
     sms = _backend.multiprocessor_count(_backend.device_index(on))
