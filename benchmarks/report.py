@@ -1,0 +1,454 @@
+"""BENCHMARKS.md from the benchmark runner's JSON, and before/after comparisons of runs.
+
+    python -m benchmarks.report                                  # bench-out/results.json -> BENCHMARKS.md
+    python -m benchmarks.report RESULTS.json --out FILE
+    python -m benchmarks.report --compare BEFORE.json AFTER.json [--threshold 0.03]
+
+The report is a pure function of the JSON (no clock, no device, no path in it), so the
+same run always gives the same file: BENCHMARKS.md is regenerated, never edited. It
+holds the run's device, versions, date, command, the copy bandwidth and bf16 GEMM rate
+measured in that run, a summary of the targets, and one table per op: every
+implementation's GPU time, % of the copy bandwidth (TFLOP/s and % of the GEMM rate where
+the case counts flops), memory, the target and its verdict, and lstrain's ratio against
+the fastest competitor. The report must fit in ``MAX_LINES`` lines; ``main`` refuses to
+write a longer one.
+
+``--compare`` prints, for every lstrain implementation of every case present in either
+run, the GPU time before and after and their ratio, flagging ratios beyond the noise
+threshold: how a refactor shows that it left every kernel's time as it was.
+
+Reads the runner's layout (``{"format": 2, "meta": {...}, "rows": [...]}``), the earlier
+``{"meta": {...}, "rows": [...]}`` and a bare list of rows; fields a row lacks are left
+blank. Standard library only: no GPU, torch or triton needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_LINES = 300
+OURS = "lstrain"  # implementations whose name starts with it are lstrain's
+NOISE = 0.03  # relative GPU-time difference that --compare flags
+
+
+def is_ours(impl: str) -> bool:
+    """Whether an implementation's name marks it as lstrain's.
+
+    Args:
+        impl: the implementation's name in the registry (``"lstrain"``, ``"lstrain epilogue"``, ...).
+
+    Returns:
+        True for lstrain's implementations, False for the competitors'.
+    """
+    return impl.startswith(OURS)
+
+
+def parse(data: dict | list) -> tuple[dict, list[dict]]:
+    """Split the runner's JSON into its metadata and its rows, whatever the layout.
+
+    Args:
+        data: the decoded JSON: a dict with ``rows`` (and ``meta``), or a bare list of rows.
+
+    Returns:
+        ``(meta, rows)``; ``meta`` is empty for a bare list.
+
+    Raises:
+        ValueError: if ``data`` is neither layout.
+    """
+    if isinstance(data, list):
+        return {}, data
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+        return data.get("meta") or {}, data["rows"]
+    raise ValueError(
+        f"not the benchmark runner's JSON: expected a list of rows or a dict with 'rows', got {data!r:.80}"
+    )
+
+
+def _num(value) -> float | None:
+    """A figure, or None where the row has none (missing, null, or the old layout's NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return float(value)
+
+
+def time_ms(row: dict) -> tuple[float | None, bool]:
+    """The time a row is judged and compared on: its GPU time, else its per-call time.
+
+    Args:
+        row: one runner row.
+
+    Returns:
+        ``(ms, per_call)``: ``per_call`` is True where the implementation could not be
+        captured in a CUDA graph and the per-call time stands in for the GPU time.
+    """
+    gpu = _num(row.get("gpu_ms"))
+    if gpu is not None:
+        return gpu, False
+    return _num(row.get("call_ms")), True
+
+
+@dataclass
+class Case:
+    """The rows of one benchmark case (op and shape), in the runner's order."""
+
+    op: str
+    shape: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def judged(self) -> dict | None:
+        """The row the targets judge: the case's first lstrain implementation."""
+        return next((r for r in self.rows if is_ours(r["impl"])), None)
+
+    @property
+    def competitors(self) -> list[dict]:
+        return [r for r in self.rows if not is_ours(r["impl"])]
+
+
+def group(rows: list[dict]) -> dict[str, list[Case]]:
+    """Rows grouped by op, then by case, both in the order of their first row.
+
+    Args:
+        rows: the runner's rows.
+
+    Returns:
+        op -> its cases.
+    """
+    ops: dict[str, dict[str, Case]] = {}
+    for row in rows:
+        cases = ops.setdefault(row["op"], {})
+        cases.setdefault(row["shape"], Case(row["op"], row["shape"])).rows.append(row)
+    return {op: list(cases.values()) for op, cases in ops.items()}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One target of a case and how the judged row did against it.
+
+    ``met`` is None where the target could not be judged; ``outcome`` then says why, else
+    by how much it was missed; ``measured`` is the figure judged where the table's own
+    columns do not show it (a relative speed).
+    """
+
+    target: str
+    met: bool | None
+    outcome: str
+    measured: str = ""
+
+    def text(self) -> str:
+        measured = f"{self.measured}, " if self.measured else ""
+        return f"{self.target}: {measured}" + ("**met**" if self.met else self.outcome)
+
+
+def _missed_by(value: float, limit: float) -> str:
+    return f"missed by {100 * (value / limit - 1):.1f}%"
+
+
+def verdicts(case: Case) -> list[Verdict]:
+    """Judge a case's targets on its first lstrain row.
+
+    A GPU-time target is met when the time is at most the target; a memory target when
+    the transient memory is at most the target; a relative target ``(competitor, ratio)``
+    when the competitor's time over lstrain's is at least the ratio (0.9: at least 90% of
+    its speed; 1.0: at least as fast).
+
+    Args:
+        case: the case's rows (targets are read from the judged row).
+
+    Returns:
+        One verdict per target the case has, in the order GPU time, memory, relative.
+    """
+    row = case.judged
+    if row is None:
+        return []
+    out = []
+    ms, _ = time_ms(row)
+    target_ms = _num(row.get("target_ms"))
+    if target_ms is not None:
+        if ms is None:
+            out.append(Verdict(f"<= {target_ms:g} ms", None, "not measured"))
+        else:
+            out.append(Verdict(f"<= {target_ms:g} ms", ms <= target_ms, _missed_by(ms, target_ms)))
+    target_mib = _num(row.get("target_transient_mib"))
+    if target_mib is not None:
+        transient = _num(row.get("transient_mib"))
+        label = f"<= {target_mib:g} MiB transient"
+        if transient is None:
+            out.append(Verdict(label, None, "not measured"))
+        else:
+            out.append(Verdict(label, transient <= target_mib, _missed_by(transient, target_mib)))
+    other_name = row.get("target_vs_impl")
+    if other_name:
+        ratio = float(row["target_vs_ratio"])
+        label = f">= {100 * ratio:g}% of {other_name}'s speed"
+        other = next((r for r in case.rows if r["impl"] == other_name), None)
+        other_ms = time_ms(other)[0] if other else None
+        if other_ms is None:
+            out.append(Verdict(label, None, f"not judged: no {other_name} time in this run"))
+        elif ms is None:
+            out.append(Verdict(label, None, "not measured"))
+        else:
+            speed = other_ms / ms
+            missed = f"missed by {100 * (1 - speed / ratio):.1f}%"
+            out.append(Verdict(label, speed >= ratio, missed, f"{100 * speed:.1f}%"))
+    return out
+
+
+def best_competitor(case: Case, row: dict) -> str:
+    """lstrain's ratio against the case's fastest competitor, as a table cell.
+
+    Args:
+        case: the case.
+        row: one of its lstrain rows.
+
+    Returns:
+        ``"1.38x vs torch.compile"`` (the competitor's time over this row's: above 1 lstrain
+        is faster), ``(per call)`` added where the competitor could not be captured; empty
+        where either time is missing.
+    """
+    ms, _ = time_ms(row)
+    timed = [(time_ms(r), r["impl"]) for r in case.competitors]
+    timed = [((t, per_call), name) for (t, per_call), name in timed if t is not None]
+    if ms is None or not timed:
+        return ""
+    (best, per_call), name = min(timed, key=lambda item: item[0][0])
+    return f"{best / ms:.2f}x vs {name}" + (" (per call)" if per_call else "")
+
+
+def _fmt(value, spec: str) -> str:
+    value = _num(value)
+    return "" if value is None else format(value, spec)
+
+
+def _table(cases: list[Case], meta: dict) -> list[str]:
+    """One op's table: a row per implementation of each case."""
+    rows = [r for c in cases for r in c.rows]
+    gemm_bound = any(_num(r.get("tflops")) for r in rows)
+    bandwidth_bound = any(not _num(r.get("tflops")) for r in rows)
+    gemm_rate = _num(meta.get("gemm_tflops"))
+    columns = ["shape", "impl", "GPU ms", "per call ms", "host us/call"]
+    if bandwidth_bound:
+        columns += ["GB/s", "% of copy BW"]
+    if gemm_bound:
+        columns += ["TFLOP/s", "% of GEMM rate"]
+    columns += ["+MiB", "+MiB transient", "target", "vs fastest other"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for case in cases:
+        judged = case.judged
+        targets = "; ".join(v.text() for v in verdicts(case))
+        for i, r in enumerate(case.rows):
+            is_judged = r is judged
+            gpu = _fmt(r.get("gpu_ms"), ".4f") or "not capturable"
+            cells = [
+                case.shape if i == 0 else "",
+                f"**{r['impl']}**" if is_judged else r["impl"],
+                f"**{gpu}**" if is_judged else gpu,
+                _fmt(r.get("call_ms"), ".4f"),
+                _fmt(r.get("host_us"), ".0f"),
+            ]
+            tflops = _num(r.get("tflops"))
+            if bandwidth_bound:
+                cells += [_fmt(r.get("gbs"), ".0f"), _fmt(r.get("pct_copy_bw"), ".1f")] if not tflops else ["", ""]
+            if gemm_bound:
+                pct_gemm = f"{100 * tflops / gemm_rate:.1f}" if tflops and gemm_rate else ""
+                cells += [_fmt(tflops, ".0f"), pct_gemm]
+            cells += [
+                _fmt(r.get("peak_mib"), ".1f"),
+                _fmt(r.get("transient_mib"), ".1f"),
+                targets if is_judged else "",
+                best_competitor(case, r) if is_ours(r["impl"]) else "",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _header(meta: dict, judged: list[tuple[Case, list[Verdict]]]) -> list[str]:
+    versions = f"torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, " + (
+        f"Liger-Kernel {meta['liger']}" if meta.get("liger") else "Liger-Kernel not installed"
+    )
+    when = meta.get("date", "?") + (f", commit `{meta['commit']}`" if meta.get("commit") else "")
+    copy_bw = _num(meta.get("copy_bandwidth_gbs"))
+    gemm_rate = _num(meta.get("gemm_tflops"))
+    lines = [
+        "# lstrain benchmarks",
+        "",
+        "Generated by `python -m benchmarks.report` from the JSON of one `python -m benchmarks.run`: do not",
+        "edit by hand, rerun and regenerate. Investigations, the history behind these figures and why a",
+        "target is missed: [docs/notes/](docs/notes/).",
+        "",
+        f"- **Device**: {meta.get('device', '?')}" + (f", CUDA {meta['cuda']}" if meta.get("cuda") else ""),
+        f"- **Versions**: {versions}",
+        f"- **Date**: {when}",
+        f"- **Command**: `{meta.get('command', '?')}`"
+        + (f" ({meta['wall_s']:.0f} s of wall time)" if _num(meta.get("wall_s")) else ""),
+        "- **Copy bandwidth** measured in this run (4 GiB device-to-device copy, bytes read + written): "
+        + (f"**{copy_bw:.0f} GB/s**" if copy_bw else "not recorded"),
+    ]
+    if gemm_rate:
+        lines.append(
+            f"- **bf16 GEMM rate** measured in this run ({meta.get('gemm_shape', 'torch.matmul')}): "
+            f"**{gemm_rate:.0f} TFLOP/s**"
+        )
+    every = [v for _, vs in judged for v in vs]
+    scored = [v for v in every if v.met is not None]
+    unjudged = f", {len(every) - len(scored)} not judged" if len(scored) < len(every) else ""
+    lines.append(f"- **Targets**: {sum(v.met for v in scored)} of {len(scored)} met{unjudged}")
+    for failure in meta.get("failures") or []:
+        lines.append(f"- **Failed**: {failure['op']} {failure['shape']}: {failure['error']}")
+    lines += [
+        "",
+        "*GPU ms*: forward + backward (forward alone for GEMMs, one step for AdamW) captured once in",
+        "a CUDA graph and replayed under `triton.testing.do_bench` (L2 flushed, median): kernel time",
+        "only, what the targets judge; *not capturable* rows (host syncs) are judged on *per call ms*,",
+        "an ordinary call under do_bench. *host us/call*: the median CPU time of one call started on",
+        f"an idle GPU ({meta.get('host_calls', 200)} calls). *GB/s* counts the minimal bytes the op must move;",
+        "*+MiB* is the peak memory of one call above its inputs, *transient* also above the gradients",
+        "it leaves. *vs fastest other*: the fastest competitor's time over lstrain's (above 1: lstrain",
+        "is faster). torch.compile: `dynamic=False`, reset per case, compile time excluded.",
+    ]
+    return lines
+
+
+def _summary(judged: list[tuple[Case, list[Verdict]]]) -> list[str]:
+    lines = ["## Targets", "", "| op | shape | impl | time | target |", "|---|---|---|---|---|"]
+    for case, vs in judged:
+        ms, per_call = time_ms(case.judged)
+        time = "" if ms is None else f"{ms:.4f} ms" + (" per call" if per_call else "")
+        targets = "; ".join(v.text() for v in vs)
+        lines.append(f"| {case.op} | {case.shape} | {case.judged['impl']} | {time} | {targets} |")
+    return lines
+
+
+def render(data: dict | list) -> str:
+    """BENCHMARKS.md for one run.
+
+    Args:
+        data: the runner's decoded JSON (any layout ``parse`` reads).
+
+    Returns:
+        The Markdown text, ending in a newline.
+
+    Raises:
+        ValueError: if ``data`` is not the runner's JSON.
+    """
+    meta, rows = parse(data)
+    ops = group(rows)
+    judged = [(c, verdicts(c)) for cases in ops.values() for c in cases]
+    judged = [(c, vs) for c, vs in judged if vs]
+    lines = _header(meta, judged)
+    if judged:
+        lines += ["", *_summary(judged)]
+    titles = meta.get("titles") or {}
+    for op, cases in ops.items():
+        title = titles.get(op, op)
+        lines += ["", f"## {title} (`--op {op}`)", "", *_table(cases, meta)]
+    return "\n".join(lines) + "\n"
+
+
+def _run_line(name: str, meta: dict) -> str:
+    parts = [meta.get("device", "?"), meta.get("date", "?")]
+    if meta.get("commit"):
+        parts.append(f"commit {meta['commit']}")
+    if _num(meta.get("copy_bandwidth_gbs")):
+        parts.append(f"copy bandwidth {meta['copy_bandwidth_gbs']:.0f} GB/s")
+    return f"{name}: " + ", ".join(parts)
+
+
+def compare(before: dict | list, after: dict | list, threshold: float = NOISE) -> tuple[str, int]:
+    """Set the lstrain rows of two runs side by side.
+
+    Args:
+        before: the earlier run's decoded JSON (any layout).
+        after: the later run's.
+        threshold: the relative difference of GPU time beyond which a row is flagged.
+
+    Returns:
+        ``(text, flagged)``: an aligned table (op, shape, impl, before ms, after ms, after
+        over before, a flag) with a summary line, and how many rows differ beyond the
+        threshold. A row present in one run only is listed with the other side blank and
+        is not counted as flagged.
+
+    Raises:
+        ValueError: if either is not the runner's JSON, or ``threshold`` is negative.
+    """
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    before_meta, before_rows = parse(before)
+    after_meta, after_rows = parse(after)
+
+    def ours(rows):
+        return {(r["op"], r["shape"], r["impl"]): r for r in rows if is_ours(r["impl"])}
+
+    old, new = ours(before_rows), ours(after_rows)
+    keys = list(old) + [k for k in new if k not in old]
+    table = [("op", "shape", "impl", "before ms", "after ms", "ratio", "")]
+    flagged = compared = 0
+    for key in keys:
+        t0, per_call0 = time_ms(old[key]) if key in old else (None, False)
+        t1, per_call1 = time_ms(new[key]) if key in new else (None, False)
+        ratio = flag = ""
+        if t0 is not None and t1 is not None:
+            compared += 1
+            ratio = f"{t1 / t0:.3f}"
+            if abs(t1 / t0 - 1) > threshold:
+                flagged += 1
+                flag = "<< slower" if t1 > t0 else "<< faster"
+        elif key not in old or key not in new:
+            flag = "only after" if key not in old else "only before"
+
+        def cell(t, per_call):
+            return "" if t is None else f"{t:.4f}" + (" (per call)" if per_call else "")
+
+        table.append((*key, cell(t0, per_call0), cell(t1, per_call1), ratio, flag))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    numeric = {3, 4, 5}
+    lines = [_run_line("before", before_meta), _run_line("after ", after_meta), ""]
+    for row in table:
+        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    lines += [
+        "",
+        f"{compared} rows compared (GPU ms, lstrain implementations); {flagged} differ by more than "
+        f"{100 * threshold:g}%.",
+    ]
+    return "\n".join(lines) + "\n", flagged
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, or 1 where the report would exceed ``MAX_LINES`` (nothing is
+        written then).
+    """
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="?", type=Path, default=Path("bench-out/results.json"))
+    parser.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--threshold", type=float, default=NOISE, help="--compare's noise threshold (default 0.03)")
+    args = parser.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(path.read_text()) for path in args.compare)
+        text, _ = compare(before, after, args.threshold)
+        print(text, end="")
+        return 0
+    text = render(json.loads(args.results.read_text()))
+    lines = text.count("\n")
+    if lines > MAX_LINES:
+        print(f"the report has {lines} lines, more than {MAX_LINES}: not written to {args.out}", file=sys.stderr)
+        return 1
+    args.out.write_text(text)
+    print(f"{args.out}: {lines} lines from {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
