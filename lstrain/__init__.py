@@ -9,6 +9,7 @@ on before any kernel is defined.
 import importlib
 
 __all__ = ["nn", "ops", "optim", "testing"]
+# The one version source: pyproject.toml has setuptools read it statically, so it stays a literal.
 __version__ = "0.1.0"
 
 
