@@ -192,6 +192,7 @@ def host_us(step, calls: int = HOST_CALLS) -> tuple[float, float]:
 
 
 def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float:
+    """GPU ms of ``fn``'s forward + backward (``torch.autograd.grad``) from a CUDA graph."""
     tensors = _grad_tensors(inputs, grad_names)
     return graph_replay_ms(lambda: torch.autograd.grad(fn(**inputs), tensors, dy))
 
@@ -199,6 +200,8 @@ def graph_ms(fn, inputs: dict, grad_names: list[str], dy: torch.Tensor) -> float
 def call_ms_host_us_peak(
     fn, inputs: dict, grad_names: list[str], dy: torch.Tensor, host_calls: int
 ) -> tuple[float, float, float, float, float]:
+    """An ordinary call's figures: ms under do_bench, host us (idle-GPU median, back to
+    back, over ``host_calls`` calls), +MiB peak and +MiB transient (see the module docstring)."""
     tensors = _grad_tensors(inputs, grad_names)
 
     def call():
@@ -434,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     host_calls = QUICK_HOST_CALLS if args.quick else HOST_CALLS
     meta = run_meta(argv, host_calls, args.quick)
     print(
-        f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, Liger-Kernel {meta['liger']}: "
+        f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"Liger-Kernel {meta['liger'] or 'not installed'}: "
         f"copy bandwidth {meta['copy_bandwidth_gbs']:.0f} GB/s, bf16 GEMM {meta['gemm_tflops']:.0f} TFLOP/s",
         flush=True,
     )
@@ -459,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
             (args.out / "results.md").write_text(report.render(results))
     print(
-        f"{len(rows)} rows in {meta['wall_s']:.0f} s, {len(meta['failures'])} cases failed: "
+        f"{len(rows)} rows in {meta['wall_s']:.0f} s, failed cases: {len(meta['failures'])}; "
         f"{args.out / 'results.json'}; BENCHMARKS.md: python -m benchmarks.report {args.out / 'results.json'}"
     )
 

@@ -97,3 +97,60 @@ def test_lstrain_only_selects_every_lstrain_implementation():
     assert [n for n in names if implementation_filter(None, True)(n)] == names[:4]
     assert [n for n in names if implementation_filter(["eager"], False)(n)] == ["eager"]
     assert [n for n in names if implementation_filter(["eager"], True)(n)] == names[:5]
+
+
+def test_main_end_to_end_with_the_cuda_calls_stubbed(tmp_path, monkeypatch):
+    """The runner's whole flow on the CPU: toy cases (one failing), the CUDA calls and the
+    timers stubbed; results.json and results.md after it, the failure recorded."""
+    import torch
+
+    from benchmarks import run
+    from benchmarks.specs import BenchCase, StepCase
+
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Toy GPU")
+    monkeypatch.setattr(run, "copy_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(run, "gemm_tflops", lambda: 700.0)
+    monkeypatch.setattr(run, "graph_replay_ms", lambda step: (step(), 1.0)[1])
+    monkeypatch.setattr(run, "do_bench", lambda fn, **kwargs: (fn(), 2.0)[1])
+
+    def inputs():
+        return {"x": torch.randn(4, 8, requires_grad=True)}
+
+    def broken():
+        raise RuntimeError("no\nsuch | case")
+
+    double = {"lstrain": lambda x: 2 * x, "eager": lambda x: x + x, "liger": lambda x: x * 2}
+    toy = [
+        BenchCase("toy", "4 x 8", inputs, ["x"], double, 100, 1.5, host_syncing=("liger",)),
+        BenchCase("toy", "broken", broken, ["x"], double, 100),
+    ]
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    matmul = {"lstrain": lambda make: lambda: a @ b, "cuBLAS": lambda make: lambda: a @ b}
+    step = StepCase("toy_gemm", "8 x 8 x 8", lambda dtype: [], matmul, 384, flops=1024, capturable=True)
+    step.target_vs = ("cuBLAS", 0.9)
+    monkeypatch.setattr(run, "REGISTRY", {"toy": lambda: toy})
+    monkeypatch.setattr(run, "STEP_REGISTRY", {"toy_gemm": lambda: [step]})
+
+    run.main(["--quick", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    meta, rows = results["meta"], results["rows"]
+    assert results["format"] == FORMAT and meta["device"] == "Toy GPU" and meta["host_calls"] == 20
+    assert meta["command"] == f"python -m benchmarks.run --quick --out {tmp_path}"
+    assert meta["failures"] == [{"op": "toy", "shape": "broken", "error": "RuntimeError: no such | case"}]
+    assert [(r["op"], r["impl"], r["gpu_ms"]) for r in rows] == [
+        ("toy", "lstrain", 1.0), ("toy", "eager", 1.0), ("toy", "liger", None),
+        ("toy_gemm", "lstrain", 1.0), ("toy_gemm", "cuBLAS", 1.0),
+    ]  # fmt: skip
+    assert rows[2]["call_ms"] == 2.0 and rows[3]["tflops"] == 1024 / 1e-3 / 1e12
+    text = (tmp_path / "results.md").read_text()
+    assert text == report.render(results)
+    assert "<= 1.5 ms: **met**" in text and ">= 90% of cuBLAS's speed: 100.0%, **met**" in text
+
+    run.main(["--lstrain-only", "--op", "toy_gemm", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["lstrain"] and rows[0]["host_us"] is not None
