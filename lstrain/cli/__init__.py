@@ -1,8 +1,10 @@
 """The ``lstrain`` command: one module per subcommand, each adding its own parser.
 
-Only this dispatch imports eagerly, and it imports no torch: a subcommand may have to
-prepare the process (``lstrain check`` switches Triton's interpreter on) before any
-lstrain kernel is defined.
+A subcommand module has ``add_parser(commands)``, which adds its parser to the
+subparsers and sets the namespace's ``run(args) -> exit code``; it is listed in
+``_SUBCOMMANDS``. Nothing here or at a subcommand module's top imports torch: a
+subcommand may have to prepare the process (``lstrain check`` switches Triton's
+interpreter on) before any lstrain kernel is defined.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"lstrain check: unknown op(s) {', '.join(unknown)}; known: {', '.join(OP_CHECKS)}", file=sys.stderr)
         return 2
-    names = args.ops or list(OP_CHECKS)
+    names = list(dict.fromkeys(args.ops)) or list(OP_CHECKS)  # an op named twice is checked once
     checked = {name: _dtype_names(OP_CHECKS[name].dtypes(device)) for name in names}
     skipped = {name: _skipped_dtypes(OP_CHECKS[name], device) for name in names}
     rows = [(name, dtype) for name in names for dtype in checked[name]]
