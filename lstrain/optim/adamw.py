@@ -4,8 +4,9 @@ Parameters live in :class:`~lstrain.optim.flat.FlatParameters` buffers. Each 16-
 buffer gets an fp32 master copy; the Adam moments are fp32. One launch per dtype reads
 grad, master and moments once, applies the global grad-norm clip factor, updates them,
 and writes the master and the model's own (bf16/fp16/fp32) parameters. The learning
-rates, betas, eps, weight decays and the step counter are device tensors, so a step
-never synchronises with the host and can be captured in a CUDA graph.
+rates, betas, eps, weight decays and each parameter's step count and "has a gradient" flag
+are device tensors, so a step never synchronises with the host and can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -31,36 +32,40 @@ def _adamw_kernel(
     exp_avg_ptr,
     exp_avg_sq_ptr,
     block_group_ptr,
+    block_slot_ptr,
+    active_ptr,
     hyper_ptr,
     step_ptr,
     grad_factor_ptr,
     skip_ptr,
     groups,
     HAS_MASTER: tl.constexpr,
-    DECOUPLED: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     CAN_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     group = tl.load(block_group_ptr + pid)
-    # hyper: [5, groups] fp32 = lr, beta1, beta2, eps, weight_decay
+    slot = tl.load(block_slot_ptr + pid)
+    # hyper: [6, groups] fp32 = lr, beta1, beta2, eps, weight_decay, decoupled (0 or 1)
     lr = tl.load(hyper_ptr + group)
     beta1 = tl.load(hyper_ptr + groups + group)
     beta2 = tl.load(hyper_ptr + 2 * groups + group)
     eps = tl.load(hyper_ptr + 3 * groups + group)
     weight_decay = tl.load(hyper_ptr + 4 * groups + group)
-    step = tl.load(step_ptr).to(tl.float32)
+    decoupled = tl.load(hyper_ptr + 5 * groups + group)
+    step = tl.load(step_ptr + slot)
+    active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g, w, write = load_gradient_and_weight(
-        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP, BLOCK
-    )
-    if DECOUPLED:
-        w = w * (1.0 - lr * weight_decay)
-    else:
-        g = g + weight_decay * w
-    m = tl.load(exp_avg_ptr + offsets)
-    v = tl.load(exp_avg_sq_ptr + offsets)
+        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, active, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP,
+        BLOCK,
+    )  # fmt: skip
+    # AdamW shrinks the weight, Adam adds the decay to the gradient (one of the two terms is 0)
+    g = g + (1.0 - decoupled) * weight_decay * w
+    w = w * (1.0 - decoupled * lr * weight_decay)
+    m = tl.load(exp_avg_ptr + offsets, mask=write, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=write, other=0.0)
     m = m + (1.0 - beta1) * (g - m)  # torch's lerp for weights below 0.5
     v = v * beta2 + (1.0 - beta2) * g * g
     bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
@@ -76,30 +81,36 @@ class FusedAdamW(FlatOptimizer):
     """AdamW (decoupled weight decay, or plain Adam with ``decoupled=False``) over flat buffers.
 
     Constructor arguments as :class:`torch.optim.AdamW`, per-group ``lr``, ``betas``,
-    ``eps`` and ``weight_decay`` included (e.g. no decay for norms and biases), plus:
+    ``eps``, ``weight_decay`` and ``decoupled_weight_decay`` included (e.g. no decay for
+    norms and biases), plus:
 
     Args:
         max_grad_norm: clip the global L2 norm of all gradients to this (None: no clipping);
             the norm is one reduction per dtype and the factor is applied inside the update.
-        decoupled: False gives Adam with L2 weight decay added to the gradient.
+        decoupled: False gives Adam with L2 weight decay added to the gradient (the groups'
+            default ``decoupled_weight_decay``).
 
     The parameters are moved into flat buffers when the optimizer is built (their
-    ``.data`` and ``.grad`` become views); the model behaves exactly as before. Use this
-    optimizer's :meth:`zero_grad`, which zeroes the buffers in place. Parameters that do
-    not require grad at that point are left out: never moved, never updated (torch's
-    optimizers skip a parameter without a gradient, weight decay included). A trainable
-    parameter that gets no gradient in some step takes that step with a zero gradient
-    (weight decay and the moments' decay apply), as torch's optimizers do after
-    ``zero_grad(set_to_none=False)``: a flat buffer cannot tell "no gradient" from zero.
+    ``.data`` and ``.grad`` become views); the model behaves exactly as before. Build the
+    optimizer after moving or casting the model: a step after ``model.to(...)`` raises.
+    A parameter takes a step when it requires grad and its ``.grad`` is not None, with its
+    own step count, as in torch; others are left alone (weight decay and moments
+    included). This optimizer's :meth:`zero_grad` zeroes the buffers in place and keeps
+    the ``.grad`` views, so a trainable parameter that backward gives no gradient then
+    takes the step with a zero gradient (torch's ``zero_grad(set_to_none=False)``);
+    ``model.zero_grad()`` and ``zero_grad(set_to_none=True)`` work too, at the cost of one
+    copy of each new gradient into the flat buffer in ``step()``. The state (``state_dict``)
+    is torch's, so that ``torch.optim.AdamW`` loads it and this class loads torch's.
 
     Raises:
         ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1),
-            max_grad_norm <= 0, parameters on several devices, a non-float parameter, or
-            no parameter that requires grad.
+            max_grad_norm <= 0, amsgrad / maximize / differentiable, parameters on several
+            devices, a non-float parameter, or no parameter that requires grad.
     """
 
-    HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled_weight_decay")
     STATE = ("exp_avg", "exp_avg_sq")
+    UNSUPPORTED = ("amsgrad", "maximize", "differentiable")
 
     def __init__(
         self,
@@ -112,14 +123,21 @@ class FusedAdamW(FlatOptimizer):
         max_grad_norm: float | None = None,
         decoupled: bool = True,
     ) -> None:
-        self.decoupled = decoupled
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": decoupled,
+        }
         super().__init__(params, defaults, max_grad_norm)
 
     def _hyper_of(self, group: dict) -> tuple[float, ...]:
-        return (group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"])
+        beta1, beta2 = group["betas"]
+        return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(group["decoupled_weight_decay"]))
 
     def _check_group(self, group: dict) -> None:
+        self._check_unsupported(group)
         lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not 0 <= lr < math.inf:
             raise ValueError(f"FusedAdamW: lr must be >= 0 and finite, got {lr}")
@@ -131,12 +149,27 @@ class FusedAdamW(FlatOptimizer):
         if not weight_decay >= 0:
             raise ValueError(f"FusedAdamW: weight_decay must be >= 0, got {weight_decay}")
 
-    def _launch(self, buffer, master, state, factor, found_inf) -> None:
+    def _import_state(self, saved: dict, group: dict) -> dict:
+        state = {"step": torch.as_tensor(saved.get("step", 0.0), dtype=torch.float32).reshape(())}
+        for key in (*self.STATE, "master_param"):
+            if saved.get(key) is not None:
+                state[key] = saved[key]
+        return state
+
+    def _export_state(self, state: dict, step: torch.Tensor, group: dict) -> dict | None:
+        if step.item() == 0:
+            return None  # torch keeps no state for a parameter that never took a step
+        entry = {"step": step}
+        entry.update({key: state[key] for key in (*self.STATE, "master_param") if key in state})
+        return entry
+
+    def _launch(self, index, factor, found_inf) -> None:
+        buffer, master = self.flat.buffers[index], self._masters[index]
         _adamw_kernel[(buffer.data.numel() // BLOCK,)](
-            buffer.data, buffer.grad, master, state["exp_avg"], state["exp_avg_sq"], buffer.block_group,
-            self._hyper, self._step, factor, found_inf, len(self.param_groups),
+            buffer.data, buffer.grad, master, self._buffers["exp_avg"][index], self._buffers["exp_avg_sq"][index],
+            buffer.block_group, buffer.block_slot, self._active[index], self._hyper, self._steps[index], factor,
+            found_inf, len(self.param_groups),
             HAS_MASTER=master is not None,
-            DECOUPLED=self.decoupled,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,

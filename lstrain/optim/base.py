@@ -1,18 +1,34 @@
 """What the flat-buffer optimizers share: buffers, device-side hyperparameters and step
-counter, fp32 master weights, state in torch's layout, and the fused clip / overflow factor."""
+counts, fp32 master weights, state in torch's layout, the fused clip / overflow factor, and
+the host-side checks that keep the buffers and the model in step.
+
+Every ``step()`` first walks the parameters on the host (identity and pointer checks, no
+device sync, about 0.3 us per parameter): a ``.grad`` that autograd put in a new tensor
+(after ``model.zero_grad()`` or ``p.grad = None``) is copied into the flat buffer and the
+view re-attached; a parameter whose ``.grad`` is None or that no longer requires grad is
+skipped as torch's optimizers skip a parameter without a gradient; a parameter moved, cast
+or re-pointed since the optimizer was built is an error; a 16-bit parameter written in place
+from outside (``model.load_state_dict``) re-seeds its fp32 master copy.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lstrain import _backend
-from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters
+from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, attach_grad
 
 __all__ = ["FlatOptimizer", "load_gradient_and_weight", "store_weight"]
+
+# The optimizer whose flat buffers hold each parameter now, so that an optimizer whose
+# parameters were taken by a later one over the same parameters can say so.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @triton.jit
@@ -22,6 +38,7 @@ def load_gradient_and_weight(
     master_ptr,
     grad_factor_ptr,
     skip_ptr,
+    active,
     offsets,
     HAS_MASTER: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
@@ -30,19 +47,22 @@ def load_gradient_and_weight(
 ):
     """(gradient times the clip / loss-scale factor, fp32 weight, store mask) of one block.
 
-    The store mask is all False on an overflowing step, which then changes nothing.
+    The store mask is all False for a parameter without a gradient (``active`` 0) and on
+    an overflowing step, which then changes nothing; the loads are masked alike, so that
+    skipped blocks cost no memory traffic.
     """
-    g = tl.load(grad_ptr + offsets).to(tl.float32)
+    off = tl.zeros([BLOCK], dtype=tl.float32) + (1.0 - active)
+    if CAN_SKIP:
+        off += tl.load(skip_ptr)
+    write = off == 0.0
+    g = tl.load(grad_ptr + offsets, mask=write, other=0.0).to(tl.float32)
     if HAS_FACTOR:
         g *= tl.load(grad_factor_ptr)
-    skipped = tl.zeros([BLOCK], dtype=tl.float32)
-    if CAN_SKIP:
-        skipped += tl.load(skip_ptr)
     if HAS_MASTER:
-        w = tl.load(master_ptr + offsets)
+        w = tl.load(master_ptr + offsets, mask=write, other=0.0)
     else:
-        w = tl.load(param_ptr + offsets).to(tl.float32)
-    return g, w, skipped == 0.0
+        w = tl.load(param_ptr + offsets, mask=write, other=0.0).to(tl.float32)
+    return g, w, write
 
 
 @triton.jit
@@ -53,17 +73,46 @@ def store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER: tl.conste
     tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
 
 
+@triton.jit
+def _sum_squares_kernel(grad_ptr, block_slot_ptr, active_ptr, partial_ptr, BLOCK: tl.constexpr):
+    # One fp32 partial per block, summed by torch afterwards: deterministic, no atomics.
+    pid = tl.program_id(0)
+    active = tl.load(active_ptr + tl.load(block_slot_ptr + pid))
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = (tl.zeros([BLOCK], dtype=tl.float32) + active) != 0.0
+    g = tl.load(grad_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tl.sum(g * g, axis=0))
+
+
+def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a saved fp32 master copy is within one unit in the last place of the 16-bit
+    parameter (rounded to it either way): otherwise the parameter was changed since it was
+    saved (e.g. stepped by torch.optim, which keeps no master copy) and the master is stale."""
+    value = param.float()
+    _, exponent = torch.frexp(value)
+    spacing = torch.ldexp(torch.full_like(value, torch.finfo(param.dtype).eps), exponent - 1)
+    return bool(((master - value).abs() < spacing).all())
+
+
 class FlatOptimizer(torch.optim.Optimizer):
     """Base of :class:`~lstrain.optim.FusedAdamW` and :class:`~lstrain.optim.FusedSGD`.
 
     Subclasses name their per-group hyperparameters (``HYPER``, read from a group by
-    :meth:`_hyper_of`), their fp32 per-element state (``STATE``), check a group
-    (:meth:`_check_group`) and launch their update kernel (:meth:`_launch`), one launch per
+    :meth:`_hyper_of`), their fp32 per-element state (``STATE``), the torch options they do
+    not implement (``UNSUPPORTED``), check a group (:meth:`_check_group`), convert one
+    parameter's state from and to torch's layout (:meth:`_import_state`,
+    :meth:`_export_state`) and launch their update kernel (:meth:`_launch`), one launch per
     parameter dtype.
+
+    Parameters that do not require grad when the optimizer is built stay out of the flat
+    buffers (no memory for their state); if one later requires grad and has a gradient at a
+    step, the buffers are rebuilt around it, keeping every parameter's state (as after
+    :meth:`add_param_group`).
     """
 
     HYPER: tuple[str, ...] = ()
     STATE: tuple[str, ...] = ()
+    UNSUPPORTED: tuple[str, ...] = ("maximize", "differentiable")
 
     def __init__(self, params: Iterable, defaults: dict, max_grad_norm: float | None) -> None:
         super().__init__(params, defaults)
@@ -72,29 +121,14 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._check_group(group)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"{name}: max_grad_norm must be > 0, got {max_grad_norm}")
+        if not any(p.requires_grad for group in self.param_groups for p in group["params"]):
+            raise ValueError(f"{name}: no parameter requires grad")
         self.max_grad_norm = max_grad_norm
         self.found_inf: torch.Tensor | None = None  # of the last step, when it was loss-scaled
-        # Parameters that do not require grad are left where they are and never updated, as
-        # torch's optimizers skip a parameter without a gradient (weight decay included).
-        trainable = [[p for p in group["params"] if p.requires_grad] for group in self.param_groups]
-        if not any(trainable):
-            raise ValueError(f"{name}: no parameter requires grad")
-        self.flat = FlatParameters(trainable)
-        device = self.flat.device
-        if _backend.backend_for(torch.empty(0, device=device)) == "reference":
-            raise ValueError(
-                f"{name}: parameters on {device} need the Triton interpreter (TRITON_INTERPRET=1 before "
-                "importing lstrain) or a CUDA device; the update is a Triton kernel"
-            )
-        self._step = torch.zeros((), dtype=torch.float32, device=device)
-        self._hyper = torch.empty((len(self.HYPER), len(self.param_groups)), dtype=torch.float32, device=device)
+        self._hyper: torch.Tensor | None = None
         self._hyper_values: list[tuple[float, ...]] = []
+        self._flatten()
         self._sync_hyperparameters()
-        self._masters = [b.data.float() if b.dtype != torch.float32 else None for b in self.flat.buffers]
-        self._buffers = {
-            key: [torch.zeros_like(b.data, dtype=torch.float32) for b in self.flat.buffers] for key in self.STATE
-        }
-        self._attach_state()
 
     def _hyper_of(self, group: dict) -> tuple[float, ...]:
         raise NotImplementedError
@@ -102,20 +136,154 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         raise NotImplementedError
 
-    def _launch(self, buffer: FlatBuffer, master, state: dict, factor, found_inf) -> None:
+    def _import_state(self, saved: dict, group: dict) -> dict:
         raise NotImplementedError
+
+    def _export_state(self, state: dict, step: torch.Tensor, group: dict) -> dict | None:
+        raise NotImplementedError
+
+    def _launch(self, index: int, factor, found_inf) -> None:
+        raise NotImplementedError
+
+    def _check_unsupported(self, group: dict) -> None:
+        """Refuse torch options this optimizer would otherwise ignore silently."""
+        for key in self.UNSUPPORTED:
+            if group.get(key):
+                raise ValueError(f"{type(self).__name__}: {key}=True is not supported")
+
+    def _flatten(self) -> None:
+        """(Re)build the flat buffers over the parameters that take part in steps: those in
+        the buffers already and those that require grad now. Each parameter keeps its state
+        (moments, step count, master copy) and its ``.grad``."""
+        name = type(self).__name__
+        old = self.__dict__.get("flat")
+        kept = {id(p) for p in old.parameters()} if old is not None else set()
+        groups = [[p for p in g["params"] if p.requires_grad or id(p) in kept] for g in self.param_groups]
+        detached = [p for group in groups for p in group if id(p) in kept and p.grad is None]
+        saved = {p: dict(self.state[p]) for group in groups for p in group if p in self.state}
+        devices = {p.device for group in groups for p in group}
+        if len(devices) == 1 and _backend.backend_for(torch.empty(0, device=next(iter(devices)))) == "reference":
+            raise ValueError(
+                f"{name}: parameters on {next(iter(devices))} need the Triton interpreter (TRITON_INTERPRET=1 "
+                "before importing lstrain) or a CUDA device; the update is a Triton kernel"
+            )
+        self.flat = FlatParameters(groups)
+        for p in detached:
+            p.grad = None  # a parameter without a gradient keeps having none
+        device = self.flat.device
+        self._backend = _backend.backend_for(torch.empty(0, device=device))
+        self._masters: list[torch.Tensor | None] = []
+        self._buffers: dict[str, list[torch.Tensor]] = {key: [] for key in self.STATE}
+        self._steps: list[torch.Tensor] = []
+        self._active: list[torch.Tensor] = []
+        self._active_host: list[list[bool]] = []
+        blocks = [buffer.data.numel() // BLOCK for buffer in self.flat.buffers]
+        self._partials = torch.zeros(sum(blocks), dtype=torch.float32, device=device)
+        for buffer in self.flat.buffers:
+            self._masters.append(buffer.data.float() if buffer.dtype != torch.float32 else None)
+            for key in self.STATE:
+                self._buffers[key].append(torch.zeros_like(buffer.data, dtype=torch.float32))
+            self._steps.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
+            self._active_host.append([False] * len(buffer.params))
+            self._active.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
+            for p in buffer.params:
+                _OWNERS[p] = weakref.ref(self)
+        self._where = {id(p): (i, slot) for i, b in enumerate(self.flat.buffers) for slot, p in enumerate(b.params)}
+        self._outside = [p for g in self.param_groups for p in g["params"] if id(p) not in self._where]
+        with torch.no_grad():
+            for p, state in saved.items():
+                self._restore(p, state)
+        self._versions = [[p._version for p in buffer.params] for buffer in self.flat.buffers]
+        self._attach_state()
+        self._check_params()
+
+    def _locate(self, p: torch.nn.Parameter) -> tuple[int, int, slice]:
+        """(buffer index, slot, flat range) of a parameter in the flat buffers."""
+        index, slot = self._where[id(p)]
+        offset = self.flat.buffers[index].offsets[slot]
+        return index, slot, slice(offset, offset + p.numel())
+
+    def _restore(self, p: torch.nn.Parameter, state: dict | None) -> None:
+        """Set a flat parameter's state from internal-layout ``state`` (None: fresh state)."""
+        index, slot, span = self._locate(p)
+        state = state or {}
+        for key in self.STATE:
+            value = state.get(key)
+            target = self._buffers[key][index][span]
+            if value is None:
+                target.zero_()
+            else:
+                target.copy_(value.reshape(-1))
+        self._steps[index][slot].copy_(torch.as_tensor(state.get("step", 0.0)))
+        master = self._masters[index]
+        if master is not None:
+            saved_master = state.get("master_param")
+            if saved_master is not None and _rounds_to(saved_master.to(master.device, torch.float32), p.detach()):
+                master[span].copy_(saved_master.reshape(-1))
+            else:
+                master[span].copy_(p.detach().reshape(-1))
 
     def _attach_state(self) -> None:
         """Expose per-parameter views of the flat state in torch's ``self.state`` layout."""
         for index, buffer in enumerate(self.flat.buffers):
             master = self._masters[index]
-            for p, offset in zip(buffer.params, buffer.offsets, strict=True):
-                view = slice(offset, offset + p.numel())
-                state = {"step": self._step}
-                state.update({key: self._buffers[key][index][view].view_as(p) for key in self.STATE})
+            for slot, (p, offset) in enumerate(zip(buffer.params, buffer.offsets, strict=True)):
+                span = slice(offset, offset + p.numel())
+                state = {"step": self._steps[index][slot]}
+                state.update({key: self._buffers[key][index][span].view(p.shape) for key in self.STATE})
                 if master is not None:
-                    state["master_param"] = master[view].view_as(p)
+                    state["master_param"] = master[span].view(p.shape)
                 self.state[p] = state
+
+    def _moved_message(self, p: torch.nn.Parameter, buffer: FlatBuffer) -> str:
+        name = type(self).__name__
+        owner = _OWNERS.get(p)
+        if owner is not None and owner() is not None and owner() is not self:
+            return (
+                f"{name}.step: a parameter now lives in the flat buffers of another {type(owner()).__name__} "
+                "built over it after this one; step that one (one flat optimizer per parameter)"
+            )
+        return (
+            f"{name}.step: a parameter was moved, cast or re-pointed after the optimizer was built (it is "
+            f"{p.dtype} on {p.device}, its flat buffer {buffer.dtype} on {self.flat.device}: model.to() / .half() / "
+            ".cuda() / p.data = ...?); the optimizer would update a stale copy: build the optimizer after moving "
+            "or casting the model"
+        )
+
+    def _check_params(self) -> None:
+        """The host-side walk of every ``step()``: no device sync, a few attribute reads and
+        identity checks per parameter; device work only when something changed.
+
+        Raises:
+            RuntimeError: a parameter was moved, cast or re-pointed since the optimizer was built.
+        """
+        for p in self._outside:
+            if p.requires_grad and p.grad is not None:
+                self._flatten()  # a parameter frozen when the optimizer was built trains now
+                return
+        for index, buffer in enumerate(self.flat.buffers):
+            flags = self._active_host[index]
+            versions = self._versions[index]
+            master = self._masters[index]
+            changed = False
+            for slot, p in enumerate(buffer.params):
+                if p.data_ptr() != buffer.data_ptrs[slot] or p.dtype is not buffer.dtype:
+                    raise RuntimeError(self._moved_message(p, buffer))
+                grad = p.grad
+                view = buffer.grad_views[slot]
+                if grad is not view and grad is not None:
+                    attach_grad(p, grad, view)
+                active = grad is not None and p.requires_grad
+                if active is not flags[slot]:
+                    flags[slot] = active
+                    changed = True
+                if master is not None and p._version != versions[slot]:
+                    # Written in place from outside (model.load_state_dict, p.copy_): the master follows.
+                    offset = buffer.offsets[slot]
+                    master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                    versions[slot] = p._version
+            if changed:
+                self._active[index].copy_(torch.tensor(flags, dtype=torch.float32), non_blocking=True)
 
     def _sync_hyperparameters(self) -> None:
         """Copy the groups' hyperparameters to the device when a scheduler changed them
@@ -124,19 +292,83 @@ class FlatOptimizer(torch.optim.Optimizer):
         if values != self._hyper_values:
             for group in self.param_groups:
                 self._check_group(group)
+            shape = (len(self.HYPER), len(self.param_groups))
+            if self._hyper is None or tuple(self._hyper.shape) != shape:
+                self._hyper = torch.empty(shape, dtype=torch.float32, device=self.flat.device)
             self._hyper.copy_(torch.tensor(values, dtype=torch.float32).t(), non_blocking=True)
             self._hyper_values = values
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (torch's API); after construction the flat buffers are rebuilt to
+        include it, every existing parameter keeping its state.
+
+        Args:
+            param_group: ``{"params": [...], <hyperparameters>}``.
+
+        Raises:
+            ValueError: as torch's (a parameter already in a group), a bad hyperparameter,
+                or a parameter on another device than the others; nothing changes then.
+        """
+        super().add_param_group(param_group)
+        if "flat" not in self.__dict__:
+            return  # torch's constructor adding the first groups
+        try:
+            self._check_group(self.param_groups[-1])
+            self._flatten()
+        except (ValueError, RuntimeError):
+            self.param_groups.pop()
+            raise
+        self._sync_hyperparameters()
+
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffers in place (``set_to_none`` must stay False)."""
+        """Zero the gradients.
+
+        Args:
+            set_to_none: False (the default, unlike torch's): zero the flat gradient buffers
+                in place, one fill per dtype; each parameter keeps its ``.grad`` view, so
+                backward accumulates straight into the buffers, and takes the next step
+                (with a zero gradient if backward gave it none; a ``.grad`` that is None
+                stays None, as torch does). True: torch's semantics: every ``.grad``
+                becomes None and a parameter that backward gives no gradient is skipped by
+                the next step; backward then allocates new gradient tensors, which
+                ``step()`` copies into the flat buffers (one more read and write of each).
+        """
         if set_to_none:
-            raise ValueError(f"{type(self).__name__}.zero_grad: set_to_none=True would detach .grad from the buffers")
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
+        for p in self._outside:
+            if p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+        for buffer in self.flat.buffers:
+            for p, view in zip(buffer.params, buffer.grad_views, strict=True):
+                if p.grad is not None and p.grad is not view:
+                    p.grad = view  # the stray gradient is dropped; the fill below zeroes the view
         self.flat.zero_grad()
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of all (possibly loss-scaled) gradients, fp32, on the device."""
-        norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in self.flat.buffers]
-        return torch.linalg.vector_norm(torch.stack(norms))
+        """The global L2 norm of all (possibly loss-scaled) gradients of the parameters that
+        have one, fp32, on the device (one reduction per dtype, no host sync).
+
+        Returns:
+            A device scalar.
+        """
+        self._check_params()
+        return self._grad_norm()
+
+    def _grad_norm(self) -> torch.Tensor:
+        start = 0
+        for index, buffer in enumerate(self.flat.buffers):
+            blocks = buffer.data.numel() // BLOCK
+            if blocks:
+                partials = self._partials[start : start + blocks]
+                _sum_squares_kernel[(blocks,)](
+                    buffer.grad, buffer.block_slot, self._active[index], partials, BLOCK=BLOCK, num_warps=4
+                )
+            start += blocks
+        return self._partials.sum().sqrt()
 
     def _grad_factor(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(factor the kernel multiplies gradients by, overflow flag), both device scalars or None.
@@ -145,7 +377,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         """
         if self.max_grad_norm is None and inv_scale is None:
             return None, None
-        norm = self.grad_norm()
+        norm = self._grad_norm()
         found_inf = (~torch.isfinite(norm)).to(torch.float32) if inv_scale is not None else None
         factor = inv_scale
         if self.max_grad_norm is not None:
@@ -156,7 +388,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, inv_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """One update of every parameter: one kernel launch per parameter dtype.
+        """One update of every parameter that has a gradient: one kernel launch per dtype.
 
         Args:
             closure: re-evaluates the loss, as for torch optimizers.
@@ -166,38 +398,123 @@ class FlatOptimizer(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, if any.
+
+        Raises:
+            RuntimeError: a parameter was moved, cast or re-pointed since the optimizer was
+                built (build it after ``model.to(...)``), or taken by a later optimizer.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params()
         self._sync_hyperparameters()
         factor, found_inf = self._grad_factor(inv_scale)
         self.found_inf = found_inf
-        self._step += 1.0 if found_inf is None else 1.0 - found_inf
+        taken = None if found_inf is None else 1.0 - found_inf
         for index, buffer in enumerate(self.flat.buffers):
-            if buffer.data.numel() // BLOCK:
-                state = {key: self._buffers[key][index] for key in self.STATE}
-                self._launch(buffer, self._masters[index], state, factor, found_inf)
+            # Each parameter's own step count, as torch keeps one per parameter with a gradient.
+            if taken is None:
+                self._steps[index].add_(self._active[index])
+            else:
+                self._steps[index].addcmul_(self._active[index], taken)
+            if buffer.data.numel():
+                self._launch(index, factor, found_inf)
+        _backend.note(type(self).__name__, self._backend)
         return loss
 
+    def state_dict(self) -> dict:
+        """torch's layout: the groups, and per parameter that has taken a step its own state
+        (for AdamW a CPU float32 ``step`` and the moments; for SGD ``momentum_buffer``), plus
+        ``master_param`` for 16-bit parameters (torch's optimizers ignore it). The moments
+        are views of the live fp32 buffers, as torch's state dicts hold the live tensors.
+
+        Returns:
+            A dict that ``torch.optim.AdamW`` / ``SGD`` and this class load.
+        """
+        packed = super().state_dict()
+        steps = [s.cpu() for s in self._steps]  # one read back per dtype: a checkpoint, not a step
+        where = self._where
+        state = {}
+        for saved_group, group in zip(packed["param_groups"], self.param_groups, strict=True):
+            for number, p in zip(saved_group["params"], group["params"], strict=True):
+                if id(p) in where:
+                    index, slot = where[id(p)]
+                    entry = self._export_state(self.state[p], steps[index][slot].clone(), group)
+                elif self.state.get(p):
+                    entry = self._export_state(self.state[p], self.state[p]["step"].float().cpu(), group)
+                else:
+                    entry = None
+                if entry is not None:
+                    state[number] = entry
+        packed["state"] = state
+        return packed
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch-convention state (as saved by :meth:`state_dict`) into the flat buffers."""
+        """Load a state dict saved by this class or by torch's matching optimizer.
+
+        Everything is checked before anything changes. A parameter without saved state
+        starts afresh, as in torch.
+
+        Args:
+            state_dict: as :meth:`state_dict` returns.
+
+        Raises:
+            ValueError: another number of groups or of parameters in a group, state for a
+                parameter no group lists, a state tensor whose shape is not its parameter's
+                (named by index, group and shapes), or a bad or unsupported hyperparameter.
+        """
         name = type(self).__name__
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{name}.load_state_dict: {len(groups)} groups saved, {len(self.param_groups)} here")
-        index_to_param = {}
-        for saved, group in zip(groups, self.param_groups, strict=True):
+        index_to_param, index_to_group, merged_groups = {}, {}, []
+        for number, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"{name}.load_state_dict: a group's parameter count differs")
-            index_to_param.update(zip(saved["params"], group["params"], strict=True))
-            group.update({key: value for key, value in saved.items() if key != "params"})
+                raise ValueError(
+                    f"{name}.load_state_dict: group {number} has {len(saved['params'])} parameters saved, "
+                    f"{len(group['params'])} here"
+                )
+            for index, p in zip(saved["params"], group["params"], strict=True):
+                index_to_param[index] = p
+                index_to_group[index] = number
+            merged = {**group, **{key: value for key, value in saved.items() if key != "params"}}
+            try:
+                self._check_group(merged)
+            except ValueError as error:
+                raise ValueError(f"{name}.load_state_dict: group {number}: {error}") from None
+            merged_groups.append(merged)
+        imported = {}
+        for index, saved_state in state_dict["state"].items():
+            if index not in index_to_param:
+                raise ValueError(f"{name}.load_state_dict: state for parameter {index}, which no group lists")
+            p, number = index_to_param[index], index_to_group[index]
+            for key, value in saved_state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if key == "step":
+                    if value.numel() != 1:
+                        raise ValueError(
+                            f"{name}.load_state_dict: step of parameter {index} (group {number}) has shape "
+                            f"{tuple(value.shape)}, not a scalar"
+                        )
+                elif value.shape != p.shape:
+                    raise ValueError(
+                        f"{name}.load_state_dict: {key} of parameter {index} (group {number}) has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(p.shape)}"
+                    )
+            imported[p] = self._import_state(saved_state, merged_groups[number])
+        for group, merged in zip(self.param_groups, merged_groups, strict=True):
+            group.update(merged)
         with torch.no_grad():
-            for index, saved_state in state_dict["state"].items():
-                state = self.state[index_to_param[index]]
-                for key in (*self.STATE, "master_param"):
-                    if key in state and key in saved_state:
-                        state[key].copy_(saved_state[key])
-                self._step.copy_(torch.as_tensor(saved_state["step"]))
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if id(p) in self._where:
+                        self._restore(p, imported.get(p))
+                    elif p in imported:
+                        self.state[p] = {key: value.to(p.device) for key, value in imported[p].items()}
+                    else:
+                        self.state.pop(p, None)
+        for index, buffer in enumerate(self.flat.buffers):
+            self._versions[index] = [p._version for p in buffer.params]
         self._sync_hyperparameters()

@@ -3,9 +3,10 @@
 :class:`FlatParameters` moves every parameter of a model into one flat buffer per dtype
 (``p.data`` becomes a view into it) and gives each parameter a ``.grad`` that is a view
 into a matching flat gradient buffer, so backward accumulates straight into it. Each
-parameter starts at an aligned offset, and parameters of one optimizer group are
-contiguous and padded to whole blocks, so that one kernel can update a dtype's buffer
-in one launch whatever the number of tensors.
+parameter starts at a block boundary (``BLOCK`` elements), so that one kernel can update
+a dtype's buffer in one launch whatever the number of tensors, and each program reads its
+parameter's group, step count and "has a gradient" flag as scalars. The padding costs at
+most ``BLOCK - 1`` elements per tensor (under 1M elements for a thousand tensors).
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatBuffer", "FlatParameters"]
+__all__ = ["FlatBuffer", "FlatParameters", "attach_grad"]
 
-ALIGNMENT = 16  # elements: 32-64 bytes, enough for 16-byte vector access of any float dtype
-BLOCK = 1024  # a group's segment is padded to whole blocks: one block, one group
+BLOCK = 1024  # every parameter starts at a block boundary: one block, one parameter
+
+
+def attach_grad(p: torch.nn.Parameter, grad: torch.Tensor, view: torch.Tensor) -> None:
+    """Copy ``grad`` into ``p``'s flat view and make that view ``p.grad`` again (a device copy)."""
+    view.copy_(grad)
+    p.grad = view
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -27,10 +33,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass
 class FlatBuffer:
-    """One dtype's parameters: flat data and grad, and where each parameter and group lies.
+    """One dtype's parameters: flat data and grad, and where each parameter lies.
 
-    ``block_group[b]`` is the group index of block ``b`` (``BLOCK`` elements); padding
-    elements are zero in both buffers and stay zero under every update.
+    ``block_group[b]`` and ``block_slot[b]`` are the group index and the parameter index
+    (its slot in ``params``) of block ``b`` (``BLOCK`` elements); padding elements are
+    zero in both buffers and stay zero under every update. ``grad_views[i]`` is the view
+    that parameter ``i``'s ``.grad`` is while attached, ``data_ptrs[i]`` where its data
+    lies in ``data``.
     """
 
     dtype: torch.dtype
@@ -38,11 +47,18 @@ class FlatBuffer:
     grad: torch.Tensor
     params: list[torch.nn.Parameter]
     offsets: list[int]
+    groups: list[int]
     block_group: torch.Tensor
+    block_slot: torch.Tensor
+    grad_views: list[torch.Tensor]
+    data_ptrs: list[int]
 
 
 class FlatParameters:
     """Re-point parameters into flat per-dtype buffers (model behaviour is unchanged).
+
+    A parameter's current values and gradient (if any) are copied in; a parameter without
+    a gradient gets a zero one. A non-contiguous parameter becomes contiguous.
 
     Args:
         groups: parameter groups, each a sequence of parameters (all on one device).
@@ -68,30 +84,40 @@ class FlatParameters:
             self.buffers.append(self._build(groups, dtype))
 
     def _build(self, groups, dtype) -> FlatBuffer:
-        layout, block_group, size = [], [], 0
+        layout, size = [], 0
         for index, group in enumerate(groups):
-            start = size
             for p in group:
                 if p.dtype == dtype:
-                    layout.append((p, size))
-                    size = _round_up(size + p.numel(), ALIGNMENT)
-            size = _round_up(size, BLOCK)
-            block_group += [index] * ((size - start) // BLOCK)
+                    layout.append((p, size, index))
+                    size = _round_up(size + p.numel(), BLOCK)
         data = torch.zeros(size, dtype=dtype, device=self.device)
         grad = torch.zeros(size, dtype=dtype, device=self.device)
+        # Built with device ops, not Python lists: a 2**31-element buffer has 2M blocks.
+        blocks = torch.tensor([_round_up(p.numel(), BLOCK) // BLOCK for p, _, _ in layout], dtype=torch.int64)
+        block_slot = torch.repeat_interleave(torch.arange(len(layout), dtype=torch.int32), blocks)
+        block_group = torch.tensor([g for _, _, g in layout], dtype=torch.int32)[block_slot.long()]
+        grad_views = []
         with torch.no_grad():
-            for p, offset in layout:
-                view = data[offset : offset + p.numel()].view_as(p)
+            for p, offset, _ in layout:
+                view = data[offset : offset + p.numel()].view(p.shape)
                 view.copy_(p)
+                grad_view = grad[offset : offset + p.numel()].view(p.shape)
+                if p.grad is not None:
+                    grad_view.copy_(p.grad)
                 p.data = view
-                p.grad = grad[offset : offset + p.numel()].view_as(p)
+                p.grad = grad_view
+                grad_views.append(grad_view)
         return FlatBuffer(
             dtype,
             data,
             grad,
-            [p for p, _ in layout],
-            [o for _, o in layout],
-            torch.tensor(block_group, dtype=torch.int32, device=self.device),
+            [p for p, _, _ in layout],
+            [o for _, o, _ in layout],
+            [g for _, _, g in layout],
+            block_group.to(self.device),
+            block_slot.to(self.device),
+            grad_views,
+            [p.data_ptr() for p, _, _ in layout],
         )
 
     def zero_grad(self) -> None:
@@ -99,18 +125,31 @@ class FlatParameters:
         for buffer in self.buffers:
             buffer.grad.zero_()
 
-    def check_attached(self) -> None:
-        """Raise if a parameter's ``.grad`` no longer points into its flat buffer (e.g. after
-        ``zero_grad(set_to_none=True)``), which would make a step read stale gradients."""
+    def attach_grads(self) -> None:
+        """Copy each gradient that autograd put in a new tensor (after ``model.zero_grad()``
+        or ``p.grad = None``) into the flat buffer and make ``.grad`` its view again; a
+        ``.grad`` that is None stays None."""
         for buffer in self.buffers:
-            base = buffer.grad.data_ptr()
-            element = buffer.grad.element_size()
-            for p, offset in zip(buffer.params, buffer.offsets, strict=True):
-                if p.grad is None or p.grad.data_ptr() != base + offset * element:
+            for p, view in zip(buffer.params, buffer.grad_views, strict=True):
+                grad = p.grad
+                if grad is not view and grad is not None:
+                    attach_grad(p, grad, view)
+
+    def check_attached(self) -> None:
+        """Raise if a parameter's ``.grad`` no longer is its view into the flat buffer (e.g.
+        after ``model.zero_grad()``). The optimizers re-attach by themselves in ``step()``;
+        this is for code that reads the flat buffers directly (``all_reduce_grads``).
+
+        Raises:
+            RuntimeError: a ``.grad`` was replaced or set to None.
+        """
+        for buffer in self.buffers:
+            for p, view in zip(buffer.params, buffer.grad_views, strict=True):
+                if p.grad is not view:
                     raise RuntimeError(
                         "FlatParameters: a parameter's .grad was replaced or set to None "
-                        "(zero_grad(set_to_none=True)?); use the optimizer's zero_grad(), which zeroes the "
-                        "flat buffers in place"
+                        "(model.zero_grad()?); the flat buffer does not hold its gradient: use the optimizer's "
+                        "zero_grad(), which zeroes the flat buffers in place"
                     )
 
     def all_reduce_grads(self, group=None) -> None:
@@ -119,9 +158,12 @@ class FlatParameters:
 
         Args:
             group: the ``torch.distributed`` process group (default: the world).
+
+        Gradients that autograd put in new tensors are copied in first (:meth:`attach_grads`).
         """
         import torch.distributed as dist
 
+        self.attach_grads()
         world = dist.get_world_size(group)
         for buffer in self.buffers:
             dist.all_reduce(buffer.grad, group=group)

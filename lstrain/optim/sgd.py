@@ -22,34 +22,39 @@ def _sgd_kernel(
     master_ptr,
     momentum_ptr,
     block_group_ptr,
+    block_slot_ptr,
+    active_ptr,
     hyper_ptr,
     step_ptr,
     grad_factor_ptr,
     skip_ptr,
     groups,
     HAS_MASTER: tl.constexpr,
-    NESTEROV: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     CAN_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     group = tl.load(block_group_ptr + pid)
-    # hyper: [4, groups] fp32 = lr, momentum, dampening, weight_decay
+    slot = tl.load(block_slot_ptr + pid)
+    # hyper: [5, groups] fp32 = lr, momentum, dampening, weight_decay, nesterov (0 or 1)
     lr = tl.load(hyper_ptr + group)
     momentum = tl.load(hyper_ptr + groups + group)
     dampening = tl.load(hyper_ptr + 2 * groups + group)
     weight_decay = tl.load(hyper_ptr + 3 * groups + group)
-    first = tl.load(step_ptr) == 1.0
+    nesterov = tl.load(hyper_ptr + 4 * groups + group)
+    first = tl.load(step_ptr + slot) == 1.0
+    active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g, w, write = load_gradient_and_weight(
-        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP, BLOCK
-    )
+        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, active, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP,
+        BLOCK,
+    )  # fmt: skip
     g = g + weight_decay * w
     # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
-    buf = tl.load(momentum_ptr + offsets)
+    buf = tl.load(momentum_ptr + offsets, mask=write, other=0.0)
     buf = tl.where(first, g, momentum * buf + (1.0 - dampening) * g)
-    update = g + momentum * buf if NESTEROV else buf
+    update = tl.where(nesterov != 0.0, g + momentum * buf, buf)
     update = tl.where(momentum == 0.0, g, update)
     w = w - lr * update
     tl.store(momentum_ptr + offsets, buf, mask=write)
@@ -60,18 +65,19 @@ class FusedSGD(FlatOptimizer):
     """SGD with momentum (torch.optim.SGD's algorithm) over flat buffers.
 
     Constructor arguments as :class:`torch.optim.SGD` (per-group ``lr``, ``momentum``,
-    ``dampening``, ``weight_decay``; ``nesterov`` for all groups), plus ``max_grad_norm``
-    as in :class:`~lstrain.optim.FusedAdamW`. 16-bit parameters get fp32 master weights;
-    the momentum buffer is fp32. Parameters that do not require grad when it is built are
-    never updated.
+    ``dampening``, ``weight_decay`` and ``nesterov``), plus ``max_grad_norm`` as in
+    :class:`~lstrain.optim.FusedAdamW`, whose notes on moved models, parameters without
+    gradients and ``zero_grad`` hold here too. 16-bit parameters get fp32 master weights;
+    the momentum buffer is fp32. The state dict is torch's (``momentum_buffer`` per
+    parameter that took a step in a group with momentum).
 
     Raises:
         ValueError: lr < 0, momentum or dampening outside [0, 1], weight_decay < 0,
-            nesterov without momentum or with dampening, bad parameters, or no parameter
-            that requires grad.
+            nesterov without momentum or with dampening, maximize / differentiable, bad
+            parameters, or no parameter that requires grad.
     """
 
-    HYPER = ("lr", "momentum", "dampening", "weight_decay")
+    HYPER = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
     STATE = ("momentum_buffer",)
 
     def __init__(
@@ -85,14 +91,20 @@ class FusedSGD(FlatOptimizer):
         *,
         max_grad_norm: float | None = None,
     ) -> None:
-        self.nesterov = nesterov
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+        }
         super().__init__(params, defaults, max_grad_norm)
 
     def _hyper_of(self, group: dict) -> tuple[float, ...]:
-        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], float(group["nesterov"]))
 
     def _check_group(self, group: dict) -> None:
+        self._check_unsupported(group)
         if not 0 <= group["lr"] < math.inf:
             raise ValueError(f"FusedSGD: lr must be >= 0 and finite, got {group['lr']}")
         for key in ("momentum", "dampening"):
@@ -100,15 +112,37 @@ class FusedSGD(FlatOptimizer):
                 raise ValueError(f"FusedSGD: {key} must be in [0, 1], got {group[key]}")
         if not group["weight_decay"] >= 0:
             raise ValueError(f"FusedSGD: weight_decay must be >= 0, got {group['weight_decay']}")
-        if self.nesterov and (group["momentum"] <= 0 or group["dampening"] != 0):
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("FusedSGD: nesterov needs momentum > 0 and dampening 0")
 
-    def _launch(self, buffer, master, state, factor, found_inf) -> None:
+    def _import_state(self, saved: dict, group: dict) -> dict:
+        buffer = saved.get("momentum_buffer")
+        # torch keeps no step for SGD: a saved momentum buffer means the first step is behind
+        step = saved.get("step", 0.0 if buffer is None else 1.0)
+        state = {"step": torch.as_tensor(step, dtype=torch.float32).reshape(())}
+        if buffer is not None:
+            state["momentum_buffer"] = buffer
+        if saved.get("master_param") is not None:
+            state["master_param"] = saved["master_param"]
+        return state
+
+    def _export_state(self, state: dict, step: torch.Tensor, group: dict) -> dict | None:
+        if step.item() == 0:
+            return None
+        entry = {}
+        if group["momentum"] != 0 and "momentum_buffer" in state:
+            entry["momentum_buffer"] = state["momentum_buffer"]
+        if "master_param" in state:
+            entry["master_param"] = state["master_param"]
+        return entry or None
+
+    def _launch(self, index, factor, found_inf) -> None:
+        buffer, master = self.flat.buffers[index], self._masters[index]
         _sgd_kernel[(buffer.data.numel() // BLOCK,)](
-            buffer.data, buffer.grad, master, state["momentum_buffer"], buffer.block_group,
-            self._hyper, self._step, factor, found_inf, len(self.param_groups),
+            buffer.data, buffer.grad, master, self._buffers["momentum_buffer"][index], buffer.block_group,
+            buffer.block_slot, self._active[index], self._hyper, self._steps[index], factor, found_inf,
+            len(self.param_groups),
             HAS_MASTER=master is not None,
-            NESTEROV=self.nesterov,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,
