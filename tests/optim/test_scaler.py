@@ -88,3 +88,50 @@ def test_bad_arguments(kwargs, match):
 def test_update_before_step_is_an_error():
     with pytest.raises(RuntimeError, match="call step"):
         LossScaler(device=DEVICE).update()
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_plain_torch_optimizer_is_served_as_grad_scaler_serves_it(make):
+    ours, theirs = _make(), _make()
+    optimizer, reference = make(ours, lr=1e-2), make(theirs, lr=1e-2)
+    scaler = LossScaler(init_scale=2.0**10, growth_interval=2, device=DEVICE)
+    torch_scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**10, growth_interval=2)
+    for step in range(6):
+        x = torch.randn(5, 4, device=DEVICE)
+        for params, opt, s in ((ours, optimizer, scaler), (theirs, reference, torch_scaler)):
+            opt.zero_grad()
+            s.scale(_backward(params, x, poison=step == 3)).backward()
+            s.step(opt)
+            s.update()
+        assert scaler.get_scale().item() == torch_scaler.get_scale()
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_grad_scaler_state_dicts_load_both_ways():
+    torch_scaler = torch.amp.GradScaler(DEVICE, init_scale=64.0, growth_interval=7)
+    params = _make()
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    torch_scaler.scale(_backward(params, torch.randn(5, 4, device=DEVICE), False)).backward()
+    torch_scaler.step(optimizer)
+    torch_scaler.update()  # the growth tracker is 1 now
+    scaler = LossScaler(device=DEVICE)
+    scaler.load_state_dict(torch_scaler.state_dict())
+    assert scaler.state_dict() == torch_scaler.state_dict()
+    back = torch.amp.GradScaler(DEVICE)
+    back.load_state_dict(scaler.state_dict())
+    assert back.state_dict() == torch_scaler.state_dict()
+    with pytest.raises(ValueError, match="missing"):
+        scaler.load_state_dict({})
+
+
+def test_the_default_device_is_the_current_cuda_device_or_the_cpu():
+    scale = LossScaler().get_scale()
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert scale.device == expected
+
+
+def test_a_scale_on_another_device_than_the_parameters_is_an_error():
+    optimizer = FusedAdamW(_make())
+    with pytest.raises(ValueError, match="pass device= to LossScaler"):
+        LossScaler(device="meta").step(optimizer)
