@@ -377,3 +377,40 @@ def test_step_records_its_backend():
     with _backend.record_backends() as ran:
         optimizer.step()
     assert ran == [("FusedSGD", EXPECTED_BACKEND)]
+
+
+@pytest.mark.gpu
+def test_a_whole_training_step_is_captured_in_a_cuda_graph_without_a_sync():
+    """zero_grad, forward, backward and a clipped step in one CUDA graph: the host-side
+    checks of step() must do no device work once nothing changes, and no step syncs."""
+    model, twin = _model(), _model()
+    captured = FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    eager = FusedAdamW(twin.parameters(), lr=1e-2, max_grad_norm=1.0)
+    static_x = torch.randn(4, 6, device=DEVICE)
+
+    def train_step(m, optimizer, x):
+        optimizer.zero_grad()
+        m(x).square().sum().backward()
+        optimizer.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step(model, captured, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        train_step(twin, eager, static_x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step(model, captured, static_x)
+    for step in range(4):
+        x = torch.randn(4, 6, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            train_step(twin, eager, x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _assert_close(model, twin)
