@@ -65,9 +65,11 @@ class LossScaler:
             loss: the unscaled loss.
 
         Returns:
-            ``loss * scale`` in the loss's dtype (the scale stays on the device: no sync).
+            ``loss * scale`` with torch's type promotion against the fp32 scale, as
+            GradScaler: a 0-d fp16 loss gives an fp32 product (casting the scale to fp16
+            first would make 2**16 an inf); the scale stays on the device: no sync.
         """
-        return loss * self._scale.to(loss.dtype)
+        return loss * self._scale
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale, check for inf/NaN and update; a step whose gradients overflowed changes

@@ -135,3 +135,10 @@ def test_a_scale_on_another_device_than_the_parameters_is_an_error():
     optimizer = FusedAdamW(_make())
     with pytest.raises(ValueError, match="pass device= to LossScaler"):
         LossScaler(device="meta").step(optimizer)
+
+
+def test_an_fp16_loss_is_scaled_as_grad_scaler_scales_it():
+    loss = torch.tensor(3.0, dtype=torch.float16, device=DEVICE)
+    ours = LossScaler(device=DEVICE).scale(loss)  # the default scale 2**16 is past fp16's range
+    theirs = torch.amp.GradScaler(DEVICE).scale(loss)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs) and torch.isfinite(ours)
