@@ -5,14 +5,11 @@ on), so their shapes are small; a snippet that calls lstrain's ops must have run
 this machine's kernel backend, not on the plain-PyTorch reference.
 """
 
-import inspect
 import pathlib
 import re
 
 import pytest
-import torch
 
-import lstrain
 from lstrain import _backend
 from tests.conftest import EXPECTED_BACKEND
 
@@ -26,29 +23,14 @@ def _snippets() -> list[tuple[int, str]]:
     return [(text.count("\n", 0, match.start()) + 2, match.group(1)) for match in _BLOCK.finditer(text)]
 
 
-# Until LossScaler defaults to a device that exists (the current one, else the CPU), its
-# snippet cannot run without CUDA; the mark lifts itself once the default changes.
-_SCALER_NEEDS_CUDA = pytest.mark.xfail(
-    not torch.cuda.is_available()
-    and inspect.signature(lstrain.optim.LossScaler).parameters["device"].default == "cuda",
-    reason="LossScaler() defaults to device='cuda'",
-    raises=AssertionError,
-    strict=True,
-)
-
-
-def _params() -> list:
-    return [
-        pytest.param(line, code, id=f"README.md:{line}", marks=[_SCALER_NEEDS_CUDA] if "LossScaler()" in code else [])
-        for line, code in _snippets()
-    ]
+SNIPPETS = _snippets()
 
 
 def test_the_readme_has_snippets():
-    assert len(_snippets()) >= 5
+    assert len(SNIPPETS) >= 5
 
 
-@pytest.mark.parametrize("line, code", _params())
+@pytest.mark.parametrize("line, code", SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS])
 def test_snippet_runs(line, code):
     with _backend.record_backends() as ran:
         exec(compile(code, f"{README}:{line}", "exec"), {"__name__": "readme_snippet"})
