@@ -47,7 +47,6 @@ class FlatBuffer:
     grad: torch.Tensor
     params: list[torch.nn.Parameter]
     offsets: list[int]
-    groups: list[int]
     block_group: torch.Tensor
     block_slot: torch.Tensor
     grad_views: list[torch.Tensor]
@@ -113,7 +112,6 @@ class FlatParameters:
             grad,
             [p for p, _, _ in layout],
             [o for _, o, _ in layout],
-            [g for _, _, g in layout],
             block_group.to(self.device),
             block_slot.to(self.device),
             grad_views,
