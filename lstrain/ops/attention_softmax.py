@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv
 
@@ -170,8 +171,8 @@ def attention_softmax_plan(k_len: int, backward: bool = False) -> AttentionSoftm
 
     Short rows (a few dozen keys) would leave most threads of a one-row program idle,
     so a program takes many rows; rows of 1024 keys and more get a program each, with
-    about 16-32 values per thread (2 warps forward and 1 backward at 1024: the fastest
-    on an H200 in benchmarks/sweep.py).
+    about 16-32 values per thread (2 warps forward and 1 backward at 1024, the fastest
+    measured).
     """
     block_cols = max(16, triton.next_power_of_2(k_len))
     if block_cols <= 32:
@@ -250,31 +251,21 @@ def attention_softmax_bwd(
     return dx
 
 
-@torch.library.custom_op("lstrain::attention_softmax_fwd", mutates_args=())
-def _attention_softmax_fwd_op(
+@kernel_op("attention_softmax_fwd", attention_softmax_fwd)
+def attention_softmax_fwd_op(
     scores: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     mask: torch.Tensor | None,
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
-    return attention_softmax_fwd(scores, key_padding_mask, mask, scale, causal)
-
-
-@_attention_softmax_fwd_op.register_fake
-def _(scores, key_padding_mask, mask, scale, causal):
     return torch.empty_like(scores, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("lstrain::attention_softmax_bwd", mutates_args=())
-def _attention_softmax_bwd_op(
+@kernel_op("attention_softmax_bwd", attention_softmax_bwd)
+def attention_softmax_bwd_op(
     dy: torch.Tensor, y: torch.Tensor, scale: float, causal: bool, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    return attention_softmax_bwd(dy, y, scale, causal, out_dtype)
-
-
-@_attention_softmax_bwd_op.register_fake
-def _(dy, y, scale, causal, out_dtype):
     return torch.empty_like(y, dtype=out_dtype or y.dtype)
 
 
@@ -283,10 +274,7 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, key_padding_mask, mask, scale, causal):
-        # Eager calls skip the custom-op dispatcher (host time); compiled graphs use it.
-        compiling = torch.compiler.is_compiling()
-        fwd = _attention_softmax_fwd_op if compiling else attention_softmax_fwd
-        y = fwd(scores, key_padding_mask, mask, scale, causal)
+        y = attention_softmax_fwd_op(scores, key_padding_mask, mask, scale, causal)
         ctx.save_for_backward(y)
         ctx.scale = scale
         ctx.causal = causal
@@ -298,12 +286,11 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
     def backward(ctx, dy):
         refuse_create_graph("attention_softmax")
         (y,) = ctx.saved_tensors
-        bwd = _attention_softmax_bwd_op if torch.compiler.is_compiling() else attention_softmax_bwd
         if not ctx.needs_input_grad[2]:
-            return bwd(dy, y, ctx.scale, ctx.causal, None), None, None, None, None
+            return attention_softmax_bwd_op(dy, y, ctx.scale, ctx.causal, None), None, None, None, None
         # A learned additive mask (e.g. a relative-position bias) needs the unscaled
         # gradient, summed in fp32 over the dims it was broadcast along.
-        dz = bwd(dy, y, 1.0, ctx.causal, torch.float32)
+        dz = attention_softmax_bwd_op(dy, y, 1.0, ctx.causal, torch.float32)
         dscores = (dz * ctx.scale).to(y.dtype) if ctx.needs_input_grad[0] else None
         return dscores, None, dz.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype), None, None
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import (
     ElementwisePlan,
     apply_dropout,
@@ -170,8 +171,8 @@ def bias_dropout_residual_fwd(
     return y
 
 
-@torch.library.custom_op("lstrain::bias_dropout_residual_fwd", mutates_args=())
-def _fwd_op(
+@kernel_op("bias_dropout_residual_fwd", bias_dropout_residual_fwd)
+def bias_dropout_residual_fwd_op(
     x: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor,
@@ -179,16 +180,10 @@ def _fwd_op(
     p: float,
     dropout: bool,
 ) -> torch.Tensor:
-    return bias_dropout_residual_fwd(x, bias, residual, seed, p, dropout)
-
-
-@_fwd_op.register_fake
-def _(x, bias, residual, seed, p, dropout):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("lstrain::dropout_bwd", mutates_args=())
-def _dropout_bwd_op(
+def dropout_bwd_list(
     dy: torch.Tensor,
     seed: torch.Tensor | None,
     p: float,
@@ -196,22 +191,31 @@ def _dropout_bwd_op(
     bias_grad: bool,
     bias_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:
+    """:func:`dropout_bwd` as a list [dx, (dbias)]; a custom op may not return its input,
+    so without dropout dx is a copy of dy."""
     dx, dbias = dropout_bwd(dy, seed, p, dropout, bias_grad, bias_dtype)
-    # A custom op may not return its input: without dropout dx is dy, so copy it there.
     return [dx if dropout else dx.clone()] + ([dbias] if bias_grad else [])
 
 
-@_dropout_bwd_op.register_fake
-def _(dy, seed, p, dropout, bias_grad, bias_dtype):
+@kernel_op("dropout_bwd", dropout_bwd_list)
+def dropout_bwd_list_op(
+    dy: torch.Tensor,
+    seed: torch.Tensor | None,
+    p: float,
+    dropout: bool,
+    bias_grad: bool,
+    bias_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
     grads = [torch.empty_like(dy, memory_format=torch.contiguous_format)]
     return grads + ([dy.new_empty(dy.shape[-1], dtype=bias_dtype)] if bias_grad else [])
 
 
 def dropout_backward(dy, seed, p, dropout, bias_grad, bias_dtype):
-    """:func:`dropout_bwd`, through the custom op under torch.compile."""
+    """:func:`dropout_bwd`, through the custom op under torch.compile (eager calls return
+    dy itself as dx when nothing is dropped)."""
     if not torch.compiler.is_compiling():
         return dropout_bwd(dy, seed, p, dropout, bias_grad, bias_dtype)
-    grads = _dropout_bwd_op(dy, seed, p, dropout, bias_grad, bias_dtype)
+    grads = dropout_bwd_list_op(dy, seed, p, dropout, bias_grad, bias_dtype)
     return grads[0], grads[1] if bias_grad else None
 
 
@@ -220,8 +224,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, residual, seed, p, dropout):
-        fwd = _fwd_op if torch.compiler.is_compiling() else bias_dropout_residual_fwd
-        y = fwd(x, bias, residual, seed, p, dropout)
+        y = bias_dropout_residual_fwd_op(x, bias, residual, seed, p, dropout)
         ctx.save_for_backward(seed)
         ctx.p, ctx.dropout = p, dropout
         ctx.bias_dtype = None if bias is None else bias.dtype

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none
@@ -300,8 +301,8 @@ def _first_pass_kernel(
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
 ):
-    """All of the backward that needs no more than the counts, in one launch (one launch
-    less costs ~40 us of host time): programs [0, scatter_programs) run phase 0 of the
+    """All of the backward that needs no more than the counts, in one launch (each launch
+    fewer saves host time): programs [0, scatter_programs) run phase 0 of the
     atomic scatter, the next zero_programs zero the unused table rows, and the rest sum
     one position-table row each (positions from the token index). The constexpr flags
     leave out the roles a launch has no programs (and maybe no pointers) for."""
@@ -398,7 +399,7 @@ def gather_plan(dim: int) -> ElementwisePlan:
     """Tiles of the kernels that gather or scatter whole table rows (forward, atomic
     backward, its first pass), a pure function: about 1024 elements on 2 warps, so one
     program per token at D >= 1024. More, smaller programs keep more id -> row load chains
-    in flight: 27 us against 34 us for 4 rows on 4 warps at 16384 x 1024 (H200 sweep)."""
+    in flight (faster than 4 rows on 4 warps)."""
     block_cols = elementwise_plan(dim).block_cols
     return ElementwisePlan(max(1, 1024 // block_cols), block_cols, num_warps=2)
 
@@ -492,8 +493,7 @@ def _table_gradient(dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, d
             )  # fmt: skip
         return table
     # The narrowest keys that hold [-1, rows] (bad ids clamped out of every row) sort in the
-    # fewest radix passes: int16 for vocabularies up to 65534 rows (35 against 54 us for
-    # int32 at 16384 tokens on the H200).
+    # fewest radix passes: int16 for vocabularies up to 65534 rows.
     key_offset = 32767 if rows <= 65534 else 0
     keys = (ids.clamp(-1, rows) - key_offset).to(torch.int16 if key_offset else torch.int32)
     sorted_ids, order = torch.sort(keys, stable=True)
@@ -569,8 +569,8 @@ def embedding_bwd(
     return grads
 
 
-@torch.library.custom_op("lstrain::embedding_fwd", mutates_args=())
-def _fwd_op(
+@kernel_op("embedding_fwd", embedding_fwd)
+def embedding_fwd_op(
     ids: torch.Tensor,
     weight: torch.Tensor,
     pos_weight: torch.Tensor | None,
@@ -581,17 +581,12 @@ def _fwd_op(
     p: float,
     count: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return embedding_fwd(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count)
-
-
-@_fwd_op.register_fake
-def _(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count):
     counts = weight.new_empty((2, weight.shape[0]) if count else (0,), dtype=torch.int32)
     return weight.new_empty((*ids.shape, weight.shape[1])), counts
 
 
-@torch.library.custom_op("lstrain::embedding_bwd", mutates_args=())
-def _bwd_op(
+@kernel_op("embedding_bwd", embedding_bwd)
+def embedding_bwd_op(
     dy: torch.Tensor,
     ids: torch.Tensor,
     counts: torch.Tensor | None,
@@ -608,30 +603,6 @@ def _bwd_op(
     weight_grad: bool,
     pos_grad: bool,
 ) -> list[torch.Tensor]:
-    return embedding_bwd(
-        dy, ids, counts, weight_rows, weight_dtype, pos_rows, pos_dtype, positions, scale, padding_idx, seed, p,
-        deterministic, weight_grad, pos_grad,
-    )  # fmt: skip
-
-
-@_bwd_op.register_fake
-def _(
-    dy,
-    ids,
-    counts,
-    weight_rows,
-    weight_dtype,
-    pos_rows,
-    pos_dtype,
-    positions,
-    scale,
-    padding_idx,
-    seed,
-    p,
-    deterministic,
-    weight_grad,
-    pos_grad,
-):
     grads = [dy.new_empty((weight_rows, dy.shape[-1]), dtype=weight_dtype)] if weight_grad else []
     return grads + ([dy.new_empty((pos_rows, dy.shape[-1]), dtype=pos_dtype)] if pos_grad else [])
 
@@ -642,9 +613,8 @@ class EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, pos_weight, positions, scale, padding_idx, seed, p, deterministic):
-        fwd = _fwd_op if torch.compiler.is_compiling() else embedding_fwd
         count = ctx.needs_input_grad[1]
-        y, counts = fwd(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count)
+        y, counts = embedding_fwd_op(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count)
         ctx.save_for_backward(ids, positions, seed, counts if count else None)
         ctx.tables = (weight.shape[0], weight.dtype, 0 if pos_weight is None else pos_weight.shape[0])
         ctx.pos_dtype = None if pos_weight is None else pos_weight.dtype
@@ -658,8 +628,7 @@ class EmbeddingFunction(torch.autograd.Function):
         scale, padding_idx, p, deterministic = ctx.options
         rows, dtype, pos_rows = ctx.tables
         weight_grad, pos_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        bwd = _bwd_op if torch.compiler.is_compiling() else embedding_bwd
-        grads = bwd(
+        grads = embedding_bwd_op(
             dy, ids, counts, rows, dtype, pos_rows, ctx.pos_dtype, positions, scale, padding_idx, seed, p,
             deterministic, weight_grad, pos_grad,
         )  # fmt: skip

@@ -36,9 +36,10 @@ from lstrain.ops._lib.activations import (
     apply_activation,
 )
 from lstrain.ops._lib.autocast import autocast_inputs
+from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none
-from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd
+from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd, bias_act_dropout_bwd_op
 
 __all__ = [
     "GemmFunction",
@@ -124,10 +125,9 @@ def mainloop(
     B_K_MAJOR (B contiguous along K, as ``w.t()`` of a row-major weight is) makes the loop
     run at least one step (for K = 0 a fully masked one, adding zeros): Triton 3.6's ptxas
     otherwise serialized every wgmma of that layout (C7515, "non wgmma instructions defining
-    accumulator registers"), and ``gemm(x, w.t())`` ran 12-22% slower than with the step
-    count forced (H200, ninth session of 2026-11-30, run 9: 2235-2505 against 2875-3010 us
-    at 16384 x 11008 x 4096). Other layouts keep the plain count, which measured faster
-    for them (2258-2363 against 2516-2572 us with B row-major). The SwiGLU forward passes
+    accumulator registers"), and ``gemm(x, w.t())`` ran much slower than with the step
+    count forced. Other layouts keep the plain count, which measured faster for them
+    (docs/notes/gemm.md). The SwiGLU forward passes
     the flag from w_gate_up's strides as gemm does (ptxas serialized it the same way);
     its backward keeps the plain count: its w_down^T is K-major, but ptxas did not
     serialize that kernel, and the longer count was within noise there.
@@ -303,9 +303,8 @@ def _gemm_kernel(
     flattened into the K loop so that the next tile's loads start during this tile's
     epilogue; B is then masked along K only, which keeps a row-major B's loads
     asynchronous copies (see ``mainloop``'s MASK_N).
-    SPLIT_EPILOGUE: the epilogue in two column halves (gelu: on the H200 at 16384 x 4096 x
-    11008, bias + gelu persistent 2543-2683 us in halves against 2744-2935 in one piece over
-    five interleaved rounds; gelu_tanh and silu were slower in halves in every round)."""
+    SPLIT_EPILOGUE: the epilogue in two column halves, which keeps erf's temporaries to
+    half a tile: faster for gelu; gelu_tanh and silu were slower in halves."""
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
@@ -417,8 +416,8 @@ class GemmPlan:
 
     def stages(self, persistent: bool) -> int:
         """Pipeline depth of a launch: persistent launches (their flattened loop also holds
-        the epilogue's registers) take at most 3, which timed as fast or faster on the H200
-        (the GEMM and both SwiGLU kernels, ninth to eleventh sessions)."""
+        the epilogue's registers) take at most 3, which timed as fast or faster for the
+        GEMM and both SwiGLU kernels."""
         return min(self.num_stages, 3) if persistent else self.num_stages
 
 
@@ -429,19 +428,14 @@ def gemm_plan(
     """Launch settings from the problem shape and the device's shared memory per program
     (a pure function; ``lstrain._backend.shared_memory_per_program``).
 
-    16-bit inputs (H200, bf16, twelfth session of 2026-11-30, runs 1 and 2, three to five
-    interleaved rounds):
+    16-bit inputs (each rule the fastest measured, docs/notes/gemm.md):
 
     - M and N >= 2048: 128 x 256 x 64 tiles, 8 warps, persistent (see :func:`gemm_fwd`; a
-      persistent launch takes 3 stages, :meth:`GemmPlan.stages`): 98.5-99.2% of cuBLAS at
-      16384 x 4096 x 11008 (eleventh session).
+      persistent launch takes 3 stages, :meth:`GemmPlan.stages`).
     - Otherwise, when its 128 x 128 tiles fit in one wave of programs (``_WAVE_TILES``):
-      those tiles at 8 warps and 4 stages, a program each: 2048 x 1024 x 8192 68 us against
-      79 at 4 warps (gelu epilogue 73 against 93), 512 x 4096 x 4096 38 against 44.
+      those tiles at 8 warps and 4 stages, a program each (faster than 4 warps).
     - More tiles than that and N >= 256: 128 x 256 tiles, 8 warps, 4 stages, a program
-      each (persistent, the gelu epilogue took 150 us against 124 at 8192 x 1536 x 2048):
-      4096 x 1024 x 4096 51 us against 55 at 128 x 128 / 4 warps (gelu 65 against 74,
-      cuBLAS + eager 66), 3072 x 1024 x 4096 50 against 53, 1536^3 24 against 25.
+      each (persistent, the gelu epilogue was slower).
     - Else 128 x 128 (or the next power of two of a smaller M, N) at 4 warps, 3 stages.
 
     Devices with less than 160 KiB of shared memory per program (sm_86 / sm_89 parts such
@@ -452,10 +446,8 @@ def gemm_plan(
     fp32 inputs take the last plan below 2048 and K tiles of 16, the least ``tl.dot`` allows:
     each tile's products sum in one fp32 chain before joining the accumulator (see
     :func:`kahan_add`), and 16 keeps that chain's error at a 32-lane GEMV's, which is what
-    cuBLAS runs for N = 1 (a simulation of 20000 dot products of K = 216 on the CPU: mean
-    error 0.92e-6 for tiles of 16 and for a 32-lane GEMV, 1.20e-6 for tiles of 32; an H200
-    test drew an fp32 216 x 1 x 216 GEMM whose input gradient was 3.4x torch's error with
-    tiles of 32).
+    cuBLAS runs for N = 1 (simulated: tiles of 16 err as a 32-lane GEMV does, tiles of 32
+    more; with tiles of 32 a GEMV-like fp32 case failed the tolerance rule).
     """
     block_k = 64 if element_size <= 2 else 16
     big_tiles = shared_memory >= _BIG_TILE_SHARED_MEMORY
@@ -486,22 +478,9 @@ def small_grid_plan(
       1024, 128 x 128 or 128 x 256 tiles, whichever brings the programs closest to one
       wave, the narrower on a tie (fewer partials to sum).
 
-    H200, bf16, B = ``w.t()``, thirteenth session of 2026-11-30, three interleaved rounds
-    each, us (gemm_plan's tiles; split; cuBLAS):
-
-    - 64 x 128 (runs 7 and 9): 1024 x 1024 x 1024 12.0 (14.8; -; 9.8), x 2048 17.2 (23.2;
-      20.9 in two; 12.5), x 4096 27.4 (39.1; 28.9; 18.7), 512 x 1024 x 2048 16.7 (-; 19.4;
-      10.4), 256 x 4096 x 4096 29.6 (39.8; 30.6; 24.4). 8 warps against 4: the bias + gelu
-      epilogue 10-13% faster (1024 x 1024 x 4096 29.6 against 32.9; the split 30.8), the
-      plain product 0-3% slower; 5 stages beat 4 (by 0-9%) and 3.
-    - Split (runs 2 and 6): 512 x 1024 x 8192, 4 x 128 wide 31.3 (72.0; 64 x 128 / 4 warps
-      / 4 stages 50.6; 21.9), 512 x 512 x 4096, 4 x 128 20.9 (64 x 128 / 4 / 5 25.7; 12.5),
-      2048 x 1024 x 8192, 2 x 256 wide 66.6 (73.6; 48.4); B row-major alike. The partial
-      kernel alone took 24.5 of the split's 28.3 us at 1024 x 1024 x 4096 (run 6).
-
-    Past one wave every split lost (3072 x 1024 x 4096: 65-90 against 49.5 / 54.7), and so
-    did a single launch whose last-arriving program sums the partials (2-30% slower than
-    the second kernel at every shape of run 2).
+    8 warps beat 4 for the bias + gelu epilogue (the plain product loses a little), 5
+    stages beat 4 and 3. Past one wave every split lost, and so did a single launch whose
+    last-arriving program sums the partials. The figures: docs/notes/gemm.md.
     """
     if element_size > 2 or shared_memory < _BIG_TILE_SHARED_MEMORY or min(m, n) <= 64:
         return None
@@ -642,8 +621,8 @@ def _gemm_into(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan | None) -> 
         _launch(a, b, c, bias, d, z, alpha, beta, act, plan, False, sms)
 
 
-@torch.library.custom_op("lstrain::gemm", mutates_args=())
-def _gemm_op(
+@kernel_op("gemm", gemm_fwd)
+def gemm_fwd_op(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor | None,
@@ -653,16 +632,11 @@ def _gemm_op(
     act: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return gemm_fwd(a, b, c, bias, alpha, beta, act, out_dtype)
-
-
-@_gemm_op.register_fake
-def _(a, b, c, bias, alpha, beta, act, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("lstrain::gemm_saving_preactivation", mutates_args=())
-def _gemm_saving_preactivation_op(
+@kernel_op("gemm_saving_preactivation", gemm_fwd_saving_preactivation)
+def gemm_fwd_saving_preactivation_op(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor | None,
@@ -672,11 +646,6 @@ def _gemm_saving_preactivation_op(
     act: int,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gemm_fwd_saving_preactivation(a, b, c, bias, alpha, beta, act, out_dtype)
-
-
-@_gemm_saving_preactivation_op.register_fake
-def _(a, b, c, bias, alpha, beta, act, out_dtype):
     d = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
     return d, torch.empty_like(d)
 
@@ -691,13 +660,11 @@ class GemmFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, c, bias, alpha, beta, act, out_dtype):
-        compiling = torch.compiler.is_compiling()
         z = None
         if act >= 0 and act != _RELU and any(ctx.needs_input_grad[:4]):
-            fwd = _gemm_saving_preactivation_op if compiling else gemm_fwd_saving_preactivation
-            d, z = fwd(a, b, c, bias, alpha, beta, act, out_dtype)
+            d, z = gemm_fwd_saving_preactivation_op(a, b, c, bias, alpha, beta, act, out_dtype)
         else:
-            d = (_gemm_op if compiling else gemm_fwd)(a, b, c, bias, alpha, beta, act, out_dtype)
+            d = gemm_fwd_op(a, b, c, bias, alpha, beta, act, out_dtype)
         ctx.save_for_backward(a, b, c, bias, d if act == _RELU else z)  # what act' reads
         ctx.options = (alpha, beta, act)
         return d
@@ -715,13 +682,15 @@ class GemmFunction(torch.autograd.Function):
             # pass writes dz over z where the graph goes with this backward: one [M, N]
             # buffer fewer (z is the forward's own, and nothing reads it afterwards).
             compiling = torch.compiler.is_compiling()
-            bwd = torch.ops.lstrain.bias_act_dropout_bwd if compiling else bias_act_dropout_bwd
-            reuse_z = not compiling and act != _RELU and graph_freed_after_backward()  # D is the caller's
+            reuse_z = not compiling and act != _RELU and graph_freed_after_backward()  # relu's D is the caller's
 
             def grad(scale, dtype, column_sum=False, last=False):
                 """(scale * dz in dtype, [dz summed over rows, fp32] if column_sum)."""
                 args = (dd, z, None, None, 0.0, False, ACTIVATIONS[act], column_sum, scale)
-                dz, *sums = bias_act_dropout_bwd(*args, out=z) if last and reuse_z else bwd(*args)
+                if compiling:
+                    dz, *sums = bias_act_dropout_bwd_op(*args)
+                else:
+                    dz, *sums = bias_act_dropout_bwd(*args, out=z if last and reuse_z else None)
                 return dz.to(dtype), sums
 
         else:  # dz = dD: scaled and cast only where needed (a Linear's backward copies nothing)
@@ -763,13 +732,8 @@ def gemm(
     Args:
         a: ``[M, K]``, float16/bfloat16/float32 (fp32 products are full fp32, as in
             torch.matmul by default); any strides (a transposed view needs no copy).
-        b: ``[K, N]``, same dtype; any strides. On an H200 at 16384 x 4096 x 11008 bf16,
-            98.5-99.2% of cuBLAS's speed row-major and 97.1-98.3% as ``w.t()`` of a [N, K]
-            weight (eleventh session of 2026-11-30, two runner runs); at mid sizes (M or N
-            below 2048) 86-93% of it where the tiles fill the GPU (4096 x 4096 x 1024: 92%),
-            62-82% where 128 x 128 tiles would not (64-row tiles or K split there,
-            :func:`small_grid_plan`; 1024 x 1024 x 4096: 76% row-major, 68% as ``w.t()``;
-            thirteenth session).
+        b: ``[K, N]``, same dtype; any strides: a ``w.t()`` view of a ``[N, K]`` weight
+            runs nearly as fast as a row-major B (BENCHMARKS.md has the figures).
         c: optional ``[M, N]`` added as ``beta * c`` (never read when ``beta == 0``).
         bias: optional ``[N]``, added to every row.
         alpha, beta: scalars of the affine epilogue.
@@ -815,7 +779,7 @@ def gemm(
     bias = contiguous_or_none(bias)
     if differentiated(a, b, c, bias):
         return GemmFunction.apply(a, b, c, bias, *options)
-    return (_gemm_op if torch.compiler.is_compiling() else gemm_fwd)(a, b, c, bias, *options)
+    return gemm_fwd_op(a, b, c, bias, *options)
 
 
 def gemm_ref(

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
 from lstrain.ops._lib.partial_sums import sum_partials
@@ -244,8 +245,8 @@ class LayerNormPlan:
 def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
     """Forward launch settings for rows of ``cols`` elements (a pure function).
 
-    Measured on an H200 (benchmarks/sweep.py): 4 warps holding 16-64 values per thread
-    beat wider programs; short rows go several to a program.
+    4 warps holding 16-64 values per thread beat wider programs (the fastest measured);
+    short rows go several to a program.
     """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_FWD:
@@ -263,8 +264,8 @@ def layer_norm_bwd_plan(
     """Backward launch settings for rows of ``cols`` elements of ``element_size`` bytes on a
     device with ``shared_memory`` bytes per program (a pure function).
 
-    A persistent grid whose row loop is software-pipelined 3 deep (on an H200,
-    benchmarks/sweep.py: 20-35% faster than no pipelining); few programs per SM keep the
+    A persistent grid whose row loop is software-pipelined 3 deep (measured faster than
+    no pipelining); few programs per SM keep the
     per-program fp32 partials of dweight/dbias small. The pipeline holds x, dy and the
     three row statistics of two tiles ahead in shared memory: 160 KiB for 4096 x 1 fp32
     tiles (Triton 3.6, sm_86), over the 99 KiB of sm_86 / sm_89 parts, where such narrow
@@ -373,25 +374,20 @@ def layer_norm_bwd(
     return grads
 
 
-@torch.library.custom_op("lstrain::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd_op(
+@kernel_op("layer_norm_fwd", layer_norm_fwd)
+def layer_norm_fwd_op(
     x: torch.Tensor,
     normalized_shape: list[int],
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_norm_fwd(x, normalized_shape, weight, bias, eps)
-
-
-@_layer_norm_fwd_op.register_fake
-def _(x, normalized_shape, weight, bias, eps):
     rows = x.numel() // math.prod(normalized_shape)
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((3, rows), dtype=torch.float32)
 
 
-@torch.library.custom_op("lstrain::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd_op(
+@kernel_op("layer_norm_bwd", layer_norm_bwd)
+def layer_norm_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -401,11 +397,6 @@ def _layer_norm_bwd_op(
     bias_grad: bool,
     bias_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:
-    return layer_norm_bwd(dy, x, weight, stats, normalized_shape, weight_grad, bias_grad, bias_dtype)
-
-
-@_layer_norm_bwd_op.register_fake
-def _(dy, x, weight, stats, normalized_shape, weight_grad, bias_grad, bias_dtype):
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format)]
     if weight_grad:
         grads.append(x.new_empty(normalized_shape, dtype=weight.dtype))
@@ -419,10 +410,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps):
-        # Eager calls skip the custom-op dispatcher (~10 us of host time per call);
-        # under torch.compile the custom op keeps the kernel opaque to the tracer.
-        fwd = _layer_norm_fwd_op if torch.compiler.is_compiling() else layer_norm_fwd
-        y, stats = fwd(x, normalized_shape, weight, bias, eps)
+        y, stats = layer_norm_fwd_op(x, normalized_shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, stats)
         ctx.normalized_shape = normalized_shape
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -433,8 +421,7 @@ class LayerNormFunction(torch.autograd.Function):
         refuse_create_graph("layer_norm")
         x, weight, stats = ctx.saved_tensors
         weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        bwd = _layer_norm_bwd_op if torch.compiler.is_compiling() else layer_norm_bwd
-        grads = bwd(dy, x, weight, stats, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype)
+        grads = layer_norm_bwd_op(dy, x, weight, stats, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype)
         dweight = grads[1] if weight_grad else None
         dbias = grads[-1] if bias_grad else None
         return grads[0], None, dweight, dbias, None

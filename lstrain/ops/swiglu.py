@@ -37,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs
+from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv
 from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
@@ -403,11 +404,8 @@ def _fwd_plan(
     m: int, f: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
 ) -> GemmPlan:
     """The forward's launch settings: the GEMM's for [M, K] @ [K, 2F], persistent whenever
-    its tile is a pair block wide (16-bit). At mid sizes, where the plain GEMM's 128 x 256
-    tiles run a program each, the SwiGLU forward ran faster persistent in every one of five
-    interleaved rounds (H200, twelfth session of 2026-11-30, run 4): 1024 x 4096 -> 2 x 11008
-    284-315 us against 302-337, 1536 x 2048 -> 2 x 5504 111-118 against 123-141, 1024 x 1024
-    -> 2 x 2816 36 against 40-42."""
+    its tile is a pair block wide (16-bit): at mid sizes too, where the plain GEMM's
+    128 x 256 tiles run a program each, the SwiGLU forward measured faster persistent."""
     plan = gemm_plan(m, 2 * f, k, element_size, shared_memory)
     if element_size <= 2 and _block_f(plan) == PAIR_BLOCK:
         return dataclasses.replace(plan, persistent=True)
@@ -423,15 +421,11 @@ def swiglu_fwd(
 
     Under a persistent plan (``plan.persistent``) whole pair blocks run as persistent
     programs, their tile loop flattened into the K loop (the next tile's loads overlap this
-    tile's epilogue), at most 3 stages: on the H200 at 16384 x 4096 -> 2 x
-    11008, 4614-4802 us against 4586-4961 for a program per tile, faster in four of five
-    interleaved rounds (eleventh session of 2026-11-30, run 1). Their h leaves through a
-    TMA descriptor (16-byte aligned rows): 4026-4553 us against 4161-5010 without, faster in
-    9 of 10 rounds (runs 6, 7).
+    tile's epilogue), at most 3 stages; their h leaves through a TMA descriptor where rows
+    are 16-byte aligned. Both measured faster (docs/notes/swiglu.md).
 
     w_gate_up may have any strides; contiguous along K (the ``.t()`` of a [2F, D] weight)
-    it takes the mainloop's K-major count: before the persistent launch, 5355-5498 us
-    against 5676-5947 without it (tenth session of 2026-11-30, run 9, five rounds)."""
+    it takes the mainloop's K-major count, as gemm does."""
     m, k = x2d.shape
     f = w_gate_up.shape[1] // 2
     a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
@@ -463,30 +457,20 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
 
     A program computes dA for 2 * block_f units (the GEMM's full tile width) and runs the
     epilogue on a quarter of them at a time (a half for narrow tiles), which is what its
-    registers hold beside the accumulator without spilling. On the H200 at 16384 x 4096
-    -> 11008: 256-wide dA tiles took 3.16 ms against 3.59 with 128-wide ones; quarters
-    2.93-3.06 ms against halves 3.03-3.21 (same run, two rounds; halves spill 372 bytes);
-    recomputing a here as well (to save it from forward) took the Triton + dW_down part of
-    backward from 5.36 to 5.73 ms. One persistent program per SM, its tile loop flattened
-    into the K loop: 2654 us against 3214 for one program per tile (same run; two per SM
-    and the unflattened loop gained nothing). Three pipeline stages, not the GEMM plan's four
-    (160 KiB of shared memory against 208, Triton 3.6): 2524-2964 us against 2659-3131 over
-    four interleaved rounds, faster in each
-    (ninth session of 2026-11-30, run 3; cuBLAS's dy @ w_down^T 2016-2209 there, and the
-    kernel without its epilogue 1938-2349). Prefetching the tile's h into L2 during the
-    mainloop (at its start, or 8 to 32 K steps before its end) gained nothing or lost.
-    Whole pair blocks store dh through a TMA descriptor (16-bit, 16-byte aligned rows): median 2729 us
-    against 2802, faster in 8 of 10 interleaved rounds; loading h through TMA as well lost
-    (2865); persistent also at mid sizes, where it beat a program per tile at four shapes
-    (twelfth session of 2026-11-30, runs 1 and 2). The descriptor costs host time at every
-    launch (Triton 3.6's launcher encodes the tensor map: 20-100 us, run 6).
+    registers hold beside the accumulator without spilling (halves spill); 256-wide dA
+    tiles beat 128-wide ones, and recomputing a here (to save storing it in forward) lost.
+    One persistent program per SM, its tile loop flattened into the K loop, three pipeline
+    stages rather than the GEMM plan's four (less shared memory): each measured faster.
+    Whole pair blocks store dh through a TMA descriptor (16-bit, 16-byte aligned rows),
+    which won though the descriptor costs host time at every launch; loading h through TMA
+    as well, and prefetching h into L2, lost (docs/notes/swiglu.md).
 
     dy and w_down are made contiguous first (a copy only when they are not, as for a
     ``.t()`` view of a [D, F] weight): w_down^T is then contiguous along K. Contiguous
     along N instead, its unit mask (carried as a loop value through the flattened loop)
     hides that contiguity from Triton 3.6's pipeliner, whose TTGIR keeps the load
-    synchronous every K step; the forward kernel flattened with such an operand ran 2.4x
-    slower (H200, tenth session of 2026-11-30, run 6).
+    synchronous every K step (the forward kernel flattened with such an operand ran 2.4x
+    slower).
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
@@ -515,36 +499,31 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
         )  # fmt: skip
 
 
-@torch.library.custom_op("lstrain::swiglu_fwd", mutates_args=())
-def _fwd_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_fwd(x2d, w_gate_up)
-
-
-@_fwd_op.register_fake
-def _(x2d, w_gate_up):
+@kernel_op("swiglu_fwd", swiglu_fwd)
+def swiglu_fwd_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     f = w_gate_up.shape[1] // 2
     return x2d.new_empty((x2d.shape[0], f)), x2d.new_empty((x2d.shape[0], 2 * f))
 
 
-@torch.library.custom_op("lstrain::swiglu_fwd_activation", mutates_args=())
-def _fwd_activation_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu_fwd_activation(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """The activation a of :func:`swiglu_fwd` alone: inference writes no h."""
     return swiglu_fwd(x2d, w_gate_up, store_h=False)[0]
 
 
-@_fwd_activation_op.register_fake
-def _(x2d, w_gate_up):
+@kernel_op("swiglu_fwd_activation", swiglu_fwd_activation)
+def swiglu_fwd_activation_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return x2d.new_empty((x2d.shape[0], w_gate_up.shape[1] // 2))
 
 
-@torch.library.custom_op("lstrain::swiglu_bwd", mutates_args=())
-def _bwd_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def swiglu_bwd_new(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu_bwd` into a new dh (a custom op may not write over its input h)."""
     dh = torch.empty_like(h)
     swiglu_bwd(dy2d, w_down, h, dh)
     return dh
 
 
-@_bwd_op.register_fake
-def _(dy2d, w_down, h):
+@kernel_op("swiglu_bwd", swiglu_bwd_new)
+def swiglu_bwd_new_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(h)
 
 
@@ -555,7 +534,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down):
         x2d = x.reshape(-1, x.shape[-1])
-        a, h = (_fwd_op if torch.compiler.is_compiling() else swiglu_fwd)(x2d, w_gate_up)
+        a, h = swiglu_fwd_op(x2d, w_gate_up)
         y = a @ w_down
         ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
         ctx.x_shape = x.shape
@@ -570,7 +549,7 @@ class SwiGLUFunction(torch.autograd.Function):
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, dw_down
         if torch.compiler.is_compiling():
-            dh = _bwd_op(dy2d, w_down, h)
+            dh = swiglu_bwd_new_op(dy2d, w_down, h)
         else:
             # over h where the graph goes with this backward: one [tokens, 2F] buffer fewer
             dh = h if graph_freed_after_backward() else torch.empty_like(h)
@@ -625,9 +604,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     Args:
         x: ``[*, D]``, float16/bfloat16/float32.
         w_gate_up: ``[D, 2F]`` in the pair layout (see :func:`pack_gate_up`), x's dtype;
-            any strides, fastest row-major (the forward GEMM at 16384 x 4096 -> 2 x 11008 on
-            an H200 took 5.34-5.36 ms with a ``.t()`` view of a [2F, D] matrix, 4.37-5.13
-            with a row-major one, in the same three rounds).
+            any strides, fastest row-major (a ``.t()`` view of a [2F, D] matrix is slower).
         w_down: ``[F, D_out]``, x's dtype; backward copies it first unless it is contiguous.
 
     Returns:
@@ -661,10 +638,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
         return SwiGLUFunction.apply(x, w_gate_up, w_down)
     # inference: h, which only backward reads, is not even written
     x2d = x.reshape(-1, x.shape[-1])
-    if torch.compiler.is_compiling():
-        a = _fwd_activation_op(x2d, w_gate_up)
-    else:
-        a, _ = swiglu_fwd(x2d, w_gate_up, store_h=False)
+    a = swiglu_fwd_activation_op(x2d, w_gate_up)
     return (a @ w_down).view(*x.shape[:-1], w_down.shape[1])
 
 

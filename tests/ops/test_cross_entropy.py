@@ -9,10 +9,10 @@ from lstrain._backend import record_backends, shared_memory_per_program
 from lstrain.ops import cross_entropy, cross_entropy_ref
 from lstrain.ops.cross_entropy import (
     CrossEntropyPlan,
-    _launch_layout,
-    _rows_aligned,
     cross_entropy_fwd,
     cross_entropy_plan,
+    launch_layout,
+    rows_aligned,
     scale_gradient_,
 )
 from lstrain.testing import assert_all_passed
@@ -302,13 +302,13 @@ def test_alignment_hint_only_where_it_holds():
     plan = CrossEntropyPlan(2048, 8)
     storage = torch.zeros(8 * 5000, dtype=torch.bfloat16)
     logits = storage[: 4 * 4999].view(4, 4999)
-    assert _rows_aligned(logits, None)
-    assert _launch_layout(logits, plan, True) == {"ALIGNED": True, "LANES": 256, "RUN": 8}
-    assert _launch_layout(logits.float(), plan, True)["RUN"] == 4
-    assert not _rows_aligned(storage[3 : 3 + 4 * 4999].view(4, 4999), None)
+    assert rows_aligned(logits, None)
+    assert launch_layout(logits, plan, True) == {"ALIGNED": True, "LANES": 256, "RUN": 8}
+    assert launch_layout(logits.float(), plan, True)["RUN"] == 4
+    assert not rows_aligned(storage[3 : 3 + 4 * 4999].view(4, 4999), None)
     # a gradient whose rows are shifted against the logits' by other than whole runs
-    assert _rows_aligned(logits, torch.empty_like(logits))
-    assert not _rows_aligned(storage.view(8, 5000)[:4, :4999], torch.empty(4, 4999, dtype=torch.bfloat16))
+    assert rows_aligned(logits, torch.empty_like(logits))
+    assert not rows_aligned(storage.view(8, 5000)[:4, :4999], torch.empty(4, 4999, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("vocab", [4999, 20011, 70001])  # each launch plan's chunk width

@@ -259,8 +259,8 @@ def test_no_row_counts_under_no_grad(device, monkeypatch):
     """Under torch.no_grad the forward takes no per-row counts for a table that requires grad."""
     module = importlib.import_module("lstrain.ops.embedding")
     counted = []
-    embedding_fwd = module.embedding_fwd
-    monkeypatch.setattr(module, "embedding_fwd", lambda *args: counted.append(args[-1]) or embedding_fwd(*args))
+    embedding_fwd_op = module.embedding_fwd_op
+    monkeypatch.setattr(module, "embedding_fwd_op", lambda *args: counted.append(args[-1]) or embedding_fwd_op(*args))
     weight = torch.randn(30, 8, device=device, requires_grad=True)
     tokens = torch.randint(0, 30, (2, 5), device=device)
     with torch.no_grad():

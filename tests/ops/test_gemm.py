@@ -107,7 +107,7 @@ def test_relu_keeps_no_preactivation(device, monkeypatch):
     """relu's slope is read off D, as torch's relu backward reads its output: the forward
     stores no z, and D changed in place before backward is caught as torch catches it."""
     gemm_module = sys.modules["lstrain.ops.gemm"]
-    monkeypatch.setattr(gemm_module, "gemm_fwd_saving_preactivation", None)  # called: a TypeError
+    monkeypatch.setattr(gemm_module, "gemm_fwd_saving_preactivation_op", None)  # called: a TypeError
     gen = torch.Generator().manual_seed(3)
     a, b = (torch.randn(*shape, generator=gen).to(device).requires_grad_() for shape in ((6, 5), (5, 4)))
     (grad,) = torch.autograd.grad(gemm(a, b, alpha=-2.0, activation="relu").sum(), a)

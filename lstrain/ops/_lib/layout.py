@@ -20,8 +20,8 @@ def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids. Not ``triton.cdiv``: that is a constexpr function
-    (usable inside kernels) whose host-side call unwraps its arguments first, 1.45 us a
-    call on a fast CPU, paid several times per op call."""
+    (usable inside kernels) whose host-side call unwraps its arguments first, a cost paid
+    several times per op call."""
     return -(-a // b)
 
 
