@@ -3,9 +3,8 @@ counts, fp32 master weights, state in torch's layout, the fused clip / overflow 
 the host-side checks that keep the buffers and the model in step.
 
 Every ``step()`` first walks the parameters on the host (identity and pointer checks, no
-device sync, about 0.3 us per parameter): a ``.grad`` that autograd put in a new tensor
-(after ``model.zero_grad()`` or ``p.grad = None``) is copied into the flat buffer and the
-view re-attached; a parameter whose ``.grad`` is None or that no longer requires grad is
+device sync): a ``.grad`` that autograd put in a new tensor (after ``model.zero_grad()`` or
+``p.grad = None``) is copied into the flat buffer and the view re-attached; a parameter whose ``.grad`` is None or that no longer requires grad is
 skipped as torch's optimizers skip a parameter without a gradient; a parameter moved, cast
 or re-pointed since the optimizer was built is an error; a 16-bit parameter written in place
 from outside (``model.load_state_dict``) re-seeds its fp32 master copy.

@@ -23,6 +23,7 @@ from lstrain.ops import (
     bias_dropout_residual_ref,
     cross_entropy,
     cross_entropy_ref,
+    dropout_mask,
     embedding,
     embedding_ref,
     gemm,
@@ -34,7 +35,6 @@ from lstrain.ops import (
     swiglu_mlp,
     swiglu_mlp_ref,
 )
-from lstrain.ops._lib.dropout import dropout_mask
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
 from lstrain.testing.strategies import (
     FLOAT_DTYPES,

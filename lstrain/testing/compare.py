@@ -95,8 +95,8 @@ def compare_to_reference(
             f"torch {tuple(torch_lowp.shape)}"
         )
     atol = DEFAULT_ATOL.get(actual.dtype, 1e-5) if atol is None else atol
-    # fp64 on the tensors' own device: on a GPU the rule's few passes over each tensor
-    # take milliseconds; on a 2-core CPU 1.3 s for a 12M-element tensor and two samples of torch's error
+    # fp64 on the tensors' own device: copying large GPU tensors to the CPU for the rule's
+    # few passes would take far longer than the passes
     a, p = (v.detach().to(device=actual.device, dtype=torch.float64) for v in (actual, precise))
     nan_diff = torch.isnan(a) != torch.isnan(p)
     if nan_diff.any():
@@ -152,7 +152,7 @@ def _detached(value, dtype: torch.dtype | None, requires_grad: bool):
 def _normal(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """fp64 N(0, 1) drawn on ``device`` by a generator seeded from ``generator``: as
     reproducible as drawing from ``generator`` itself, but a GPU check no longer waits on
-    the CPU's sampler (20 of the 27 s of `lstrain check layer_norm` on an H200)."""
+    the CPU's sampler, which dominated a GPU check's time."""
     seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
     return torch.randn(shape, generator=torch.Generator(device).manual_seed(seed), dtype=torch.float64, device=device)
 
