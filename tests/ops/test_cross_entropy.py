@@ -120,6 +120,31 @@ def test_a_retained_graph_with_the_gradient_in_the_logits_storage(device):
     torch.testing.assert_close(logits.grad, 4.0 * expected)
 
 
+def test_inplace_backward_bumps_the_version_of_the_logits(device):
+    """An earlier consumer that saved the logits must not backpropagate through the
+    gradient written over them: autograd raises, as for any in-place op."""
+    leaf = torch.randn(4, 16, device=device, requires_grad=True)
+    target = torch.randint(0, 16, (4,), device=device)
+    hidden = leaf * 1.0
+    penalty = hidden.square().sum()  # saves hidden for its backward
+    before = hidden._version
+    loss = cross_entropy(hidden, target, inplace_backward=True)
+    assert hidden._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + penalty).backward()
+
+
+def test_inplace_backward_refuses_a_leaf_that_requires_grad(device):
+    leaf = torch.randn(4, 16, device=device, requires_grad=True)
+    before = leaf.detach().clone()
+    target = torch.randint(0, 16, (4,), device=device)
+    with pytest.raises(RuntimeError, match="inplace_backward=True.*leaf"):
+        cross_entropy(leaf, target, inplace_backward=True)
+    assert torch.equal(leaf.detach(), before)
+    with pytest.raises(RuntimeError, match="inplace_backward=True.*leaf"):
+        lstrain.nn.CrossEntropyLoss(inplace_backward=True)(leaf, target)
+
+
 def test_bad_targets_give_nan_rows_when_unchecked(device):
     logits = torch.randn(3, 10, device=device, requires_grad=True)
     target = torch.tensor([1, 10, -100], device=device)

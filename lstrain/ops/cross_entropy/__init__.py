@@ -265,10 +265,15 @@ class CrossEntropyFunction(torch.autograd.Function):
         # only a mean needs the count: one launch fewer per call otherwise
         valid_rows = count_kept_rows(target, ignore_index) if reduction == "mean" else None
         grad_out = None
+        in_place = False
         if grad_scale is not None and not torch.compiler.is_compiling():
             in_place = inplace_backward and logits.is_contiguous()
             grad_out = logits.detach() if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
         loss, stats, grad = loss_and_gradient(logits, target, options, grad_scale, valid_rows, grad_out)
+        if in_place:
+            # the logits now hold the gradient: a consumer that saved them earlier must see
+            # a new version, so that its backward raises instead of reading the gradient
+            torch.autograd.graph.increment_version(logits)
         ctx.reduction = reduction
         ctx.options = options
         if grad_scale is not None:
@@ -359,7 +364,11 @@ def cross_entropy(
         z_loss: coefficient of the z-loss term (0 disables it).
         inplace_backward: write the gradient into the logits' storage (saves a
             [tokens, V] buffer; the logits are overwritten, so nothing else may need
-            them). Applies to mean/sum in eager mode with contiguous logits.
+            them: their version counter is bumped, so that a backward through an earlier
+            consumer that saved them raises torch's "modified by an inplace operation"
+            error). Applies to mean/sum in eager mode with contiguous logits (torch.compile
+            gets the gradient functionally); a leaf that requires grad is refused, as
+            torch refuses in-place ops on one.
         check_targets: raise ValueError for a target outside [0, V) that is not
             ignore_index. Default: on for CPU tensors, off for CUDA, where the check
             would synchronise with the host; never inside torch.compile. Unchecked bad
@@ -372,6 +381,8 @@ def cross_entropy(
         ValueError: logits not 2-D/3-D or not a float type, target of the wrong shape,
             dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
             negative z_loss, V = 0, or (when checked) a target out of range.
+        RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad,
+            with grad mode on (eager mode).
     """
     _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
     check = check_targets if check_targets is not None else not logits.is_cuda
@@ -390,6 +401,12 @@ def cross_entropy(
         )
     if not torch.is_grad_enabled():  # nothing will be differentiated: no gradient in forward
         logits = logits.detach()
+    elif inplace_backward and logits.is_leaf and logits.requires_grad and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "cross_entropy: inplace_backward=True would overwrite logits, a leaf tensor that requires grad "
+            "(torch refuses in-place ops on such leaves); pass inplace_backward=False, or logits computed "
+            "from the leaf"
+        )
     loss = CrossEntropyFunction.apply(
         logits, target, float(label_smoothing), int(ignore_index), float(z_loss), reduction, inplace_backward
     )
