@@ -15,10 +15,17 @@ class CrossEntropyLoss(torch.nn.Module):
     Takes ``torch.nn.CrossEntropyLoss``'s arguments (``ignore_index=-100,
     reduction="mean", label_smoothing=0.0``; class ``weight`` is not supported) plus
     ``z_loss`` and ``inplace_backward`` (see :func:`lstrain.ops.cross_entropy`).
-    ``forward(input, target)`` takes ``[tokens, V]`` or ``[batch, seq, V]`` logits.
+
+    ``forward(input, target)`` takes torch's layout: ``input`` ``[C]`` (unbatched, with a
+    0-d ``target``), ``[N, C]`` or ``[N, C, d1, ...]`` with ``target`` ``[N, d1, ...]``
+    of class indices (class probabilities are not supported). Classes are in dim 1 of a
+    batched input, as in torch; the kernel wants them last, so an input of 3 or more dims
+    is copied with its dim 1 moved last. For ``[batch, seq, V]`` logits without that
+    copy, call :func:`lstrain.ops.cross_entropy`.
 
     Raises:
-        ValueError: ``weight`` is given, or an argument is out of range.
+        ValueError: ``weight`` is given, or an argument is out of range; in forward,
+            ``input`` and ``target`` shapes that torch would refuse.
     """
 
     def __init__(
@@ -41,15 +48,28 @@ class CrossEntropyLoss(torch.nn.Module):
         self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(
-            input,
-            target,
+        if input.dim() == 0:
+            raise ValueError(
+                "CrossEntropyLoss: input must have a class dim ([C], [N, C] or [N, C, d1, ...]), got a 0-d tensor"
+            )
+        classes = input.shape[0] if input.dim() == 1 else input.shape[1]
+        expected = () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
+        if tuple(target.shape) != expected:
+            raise ValueError(
+                f"CrossEntropyLoss: target has shape {tuple(target.shape)}; for input {tuple(input.shape)} "
+                f"(classes in dim {0 if input.dim() == 1 else 1}) it must be {expected}"
+            )
+        logits = input.movedim(1, -1).reshape(-1, classes) if input.dim() > 2 else input.view(-1, classes)
+        loss = cross_entropy(
+            logits,
+            target.reshape(-1),
             label_smoothing=self.label_smoothing,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
             z_loss=self.z_loss,
             inplace_backward=self.inplace_backward,
         )
+        return loss.view(target.shape) if self.reduction == "none" else loss
 
     def extra_repr(self) -> str:
         return (

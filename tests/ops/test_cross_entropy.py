@@ -358,14 +358,35 @@ def test_odd_rows_longer_than_a_chunk(device, vocab, offset):
         torch.testing.assert_close(grad.double(), grad_ref.double(), rtol=2e-3, atol=1e-5)
 
 
-def test_module_is_a_drop_in(device):
-    ours = lstrain.nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.1)
-    theirs = torch.nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.1)
-    logits = torch.randn(2, 6, 11, device=device)
-    target = torch.randint(0, 11, (2, 6), device=device)
-    torch.testing.assert_close(ours(logits, target), theirs(logits.transpose(1, 2), target))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(5, 7), (2, 7, 7), (2, 7, 3, 7), (7,)])  # C == d: a layout mix-up shows
+def test_module_is_a_drop_in(device, shape, reduction):
+    """torch.nn.CrossEntropyLoss's layouts: [N, C], [N, C, d1, ...] (classes in dim 1) and [C]."""
+    options = {"ignore_index": 0, "label_smoothing": 0.1, "reduction": reduction}
+    torch.manual_seed(0)
+    base = torch.randn(shape, device=device)
+    target_shape = () if len(shape) == 1 else (shape[0], *shape[2:])
+    target = torch.randint(0, 7, target_shape, device=device)
+    ours_in, theirs_in = base.clone().requires_grad_(), base.clone().requires_grad_()
+    with record_backends() as ran:
+        loss = lstrain.nn.CrossEntropyLoss(**options)(ours_in, target)
+    expected = torch.nn.CrossEntropyLoss(**options)(theirs_in, target)
+    assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
+    torch.testing.assert_close(loss, expected)
+    grad_out = torch.rand_like(expected)
+    loss.backward(grad_out)
+    expected.backward(grad_out)
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad)
+
+
+def test_module_refuses_what_torch_refuses(device):
     with pytest.raises(ValueError, match="class weights"):
         lstrain.nn.CrossEntropyLoss(weight=torch.ones(3))
+    criterion = lstrain.nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match=r"target has shape \(2, 3\).*must be \(2, 5\)"):
+        criterion(torch.randn(2, 3, 5, device=device), torch.zeros(2, 3, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="input must have a class dim"):
+        criterion(torch.tensor(1.0, device=device), torch.tensor(0, device=device))
 
 
 def test_torch_compile_fullgraph(device):

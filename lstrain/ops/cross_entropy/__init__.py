@@ -325,6 +325,19 @@ def check_loss_options(op: str, target: torch.Tensor, label_smoothing: float, re
         raise ValueError(f"{op}: z_loss must be a finite number >= 0, got {z_loss}")
 
 
+def refuse_leaf_overwrite(logits: torch.Tensor) -> None:
+    """Refuse ``inplace_backward`` for a leaf that requires grad or a view of one, as torch
+    refuses in-place ops on them: the leaf's values would be lost to its own gradient."""
+    root = logits._base if logits._base is not None else logits
+    if root.is_leaf and root.requires_grad:
+        what = "a view of a leaf" if root is not logits else "a leaf"
+        raise RuntimeError(
+            f"cross_entropy: inplace_backward=True would overwrite logits, {what} tensor that requires grad "
+            "(torch refuses in-place ops on such leaves); pass inplace_backward=False, or logits computed "
+            "from the leaf"
+        )
+
+
 def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bad.any():
@@ -349,12 +362,16 @@ def cross_entropy(
     """Cross-entropy with label smoothing and z-loss; the gradient comes from the same pass.
 
     Same semantics as ``torch.nn.functional.cross_entropy(logits, target,
-    ignore_index=..., label_smoothing=..., reduction=...)`` (no class weights), plus an
-    optional z-loss ``z_loss * logsumexp(logits)^2`` per row (PaLM). Statistics in fp32.
+    ignore_index=..., label_smoothing=..., reduction=...)`` for ``[tokens, V]`` logits (no
+    class weights, no class-probability targets), plus an optional z-loss
+    ``z_loss * logsumexp(logits)^2`` per row (PaLM). Statistics in fp32. The classes are
+    always the last dim: ``[batch, seq, V]`` logits are torch's ``[batch, V, seq]``
+    (``lstrain.nn.CrossEntropyLoss`` takes torch's layout).
 
     Args:
-        logits: ``[tokens, V]`` or ``[batch, seq, V]``, float32/float16/bfloat16; only the
-            last dim needs to be contiguous. Any V (rows are swept in chunks).
+        logits: ``[tokens, V]`` or ``[batch, seq, V]`` (classes last), float32/float16/
+            bfloat16; only the last dim needs to be contiguous. Any V (rows are swept in
+            chunks).
         target: class indices, int64 or int32, shaped like ``logits[..., 0]``.
         label_smoothing: a in [0, 1]; the target distribution is (1 - a) onehot + a / V.
         ignore_index: rows with this target give zero loss and zero gradient (they are
@@ -381,8 +398,8 @@ def cross_entropy(
         ValueError: logits not 2-D/3-D or not a float type, target of the wrong shape,
             dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
             negative z_loss, V = 0, or (when checked) a target out of range.
-        RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad,
-            with grad mode on (eager mode).
+        RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad
+            (or a view of one), with grad mode on (eager mode).
     """
     _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
     check = check_targets if check_targets is not None else not logits.is_cuda
@@ -401,12 +418,8 @@ def cross_entropy(
         )
     if not torch.is_grad_enabled():  # nothing will be differentiated: no gradient in forward
         logits = logits.detach()
-    elif inplace_backward and logits.is_leaf and logits.requires_grad and not torch.compiler.is_compiling():
-        raise RuntimeError(
-            "cross_entropy: inplace_backward=True would overwrite logits, a leaf tensor that requires grad "
-            "(torch refuses in-place ops on such leaves); pass inplace_backward=False, or logits computed "
-            "from the leaf"
-        )
+    elif inplace_backward and not torch.compiler.is_compiling():
+        refuse_leaf_overwrite(logits)
     loss = CrossEntropyFunction.apply(
         logits, target, float(label_smoothing), int(ignore_index), float(z_loss), reduction, inplace_backward
     )
