@@ -63,6 +63,24 @@ def test_relu_epilogue_propagates_nan(device):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_epilogue_nan_and_infinities_as_torch(device, activation):
+    """NaN and +-inf pre-activations (from the bias) give torch's values forward and
+    backward, relu's slope read off D included (a NaN passes the gradient, as in torch)."""
+    special = [float("nan"), float("inf"), float("-inf"), 0.0, 1.0, -1.0, 30.0, -30.0]
+    a = torch.randn(5, 4, device=device, requires_grad=True)
+    b = torch.randn(4, len(special), device=device, requires_grad=True)
+    bias = torch.tensor(special, device=device, requires_grad=True)
+    d = gemm(a, b, bias=bias, activation=activation)
+    grads = torch.autograd.grad(d, (a, b, bias), torch.ones_like(d))
+    inputs64 = [t.detach().double().requires_grad_() for t in (a, b, bias)]
+    d64 = gemm_ref(inputs64[0], inputs64[1], bias=inputs64[2], activation=activation)
+    grads64 = torch.autograd.grad(d64, inputs64, torch.ones_like(d64))
+    torch.testing.assert_close(d.double(), d64, equal_nan=True, rtol=1e-5, atol=1e-5)
+    for grad, grad64 in zip(grads, grads64, strict=True):
+        torch.testing.assert_close(grad.double(), grad64, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
 def test_activation_backward_of_an_expanded_gradient(device, activation):
     """Backward takes act'(z) from the pre-activation the forward stored; the gradient of a
     sum arrives expanded (strides 0); fp32 operands, bias and alpha, against autograd

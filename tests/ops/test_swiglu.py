@@ -180,6 +180,28 @@ def test_reference_is_the_familiar_mlp(device):
     torch.testing.assert_close(swiglu_mlp_ref(x, pack_gate_up(gate, up), down), expected)
 
 
+def test_nan_and_infinities_as_torch(device):
+    """NaN and +-inf in gate or up give the familiar MLP's values and gradients (torch's
+    silu: silu(-inf) = -inf * 0 = NaN, silu'(+-inf) NaN)."""
+    special = [float("nan"), float("inf"), float("-inf"), 0.0, 1.0, -1.0, 30.0, -30.0]
+    units, dim = 2 * len(special), 4
+    gate, up = torch.randn(dim, units, device=device), torch.randn(dim, units, device=device)
+    gate[0, : len(special)] = torch.tensor(special)  # x's rows are e_0: h's gate is this row
+    up[0, len(special) :] = torch.tensor(special)
+    x = torch.zeros(3, dim, device=device)
+    x[:, 0] = 1.0
+    inputs = (x.requires_grad_(), pack_gate_up(gate, up).requires_grad_(), torch.randn(units, dim, device=device))
+    inputs[2].requires_grad_()
+    y = swiglu_mlp(*inputs)
+    grads = torch.autograd.grad(y, inputs, torch.ones_like(y))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    y64 = swiglu_mlp_ref(*inputs64)
+    grads64 = torch.autograd.grad(y64, inputs64, torch.ones_like(y64))
+    torch.testing.assert_close(y.double(), y64, equal_nan=True, rtol=1e-4, atol=1e-4)
+    for grad, grad64 in zip(grads, grads64, strict=True):
+        torch.testing.assert_close(grad.double(), grad64, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
 def test_a_retained_graph_keeps_the_saved_activations(device):
     """dh goes over h only when the graph is freed: a retained one backpropagates again."""
     x = torch.randn(4, 8, device=device, requires_grad=True)

@@ -54,7 +54,8 @@ def apply_activation(z, ACT: tl.constexpr):
         slope = 0.5 * (1.0 + t) + 0.5 * z * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
     elif ACT == 2:
         value = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) = NaN, as torch's
-        slope = tl.where(z > 0.0, 1.0, 0.0)
+        # torch's relu backward zeroes the gradient where z <= 0 only: NaN passes it through
+        slope = tl.where(z <= 0.0, 0.0, 1.0)
     elif ACT == 3:  # z sigmoid(z)
         s = tl.sigmoid(z)
         value = z * s
