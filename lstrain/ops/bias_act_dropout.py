@@ -18,8 +18,10 @@ from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import (
     apply_dropout,
     check_dropout_inputs,
+    check_seed,
     column_walkers,
     dropout_keep,
+    dropout_mask,
     elementwise_plan,
     new_seed,
 )
@@ -271,25 +273,29 @@ def bias_act_dropout(
         dropout: drop probability in [0, 1); kept elements are scaled by 1 / (1 - p).
         training: dropout is the identity when False.
         seed: a 1-element int64 tensor on x's device fixing the mask (see
-            :func:`lstrain.ops.dropout_mask`); drawn from torch's generator when None.
+            :func:`lstrain.ops.dropout_mask`: the same mask on every backend); drawn from
+            torch's generator when None.
 
     Returns:
         y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
 
     Raises:
-        ValueError: an unknown activation, wrong dtype, device or shape of ``bias``, or
-            ``dropout`` outside [0, 1).
+        ValueError: an unknown activation, wrong dtype, device or shape of ``bias``,
+            ``dropout`` outside [0, 1), or a ``seed`` that is not a 1-element int64 tensor
+            on x's device.
     """
     check_dropout_inputs("bias_act_dropout", x, bias, dropout)
     if activation not in ACTIVATIONS:
         raise ValueError(f"bias_act_dropout: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_seed("bias_act_dropout", seed, x.device)
     active = training and dropout > 0
     backend = _backend.backend_for(x)
     _backend.note("bias_act_dropout", backend)
-    if backend == "reference":  # torch's own dropout stream: lstrain's needs the kernels
-        return bias_act_dropout_ref(x, bias, activation=activation, dropout=dropout if active else 0.0)
     if active and seed is None:
         seed = new_seed(x.device)
+    if backend == "reference":  # the kernels' mask, drawn by plain PyTorch: a seed means one mask everywhere
+        mask = dropout_mask(seed, x.shape, dropout) if active else None
+        return bias_act_dropout_ref(x, bias, activation=activation, dropout=dropout if active else 0.0, mask=mask)
     bias = contiguous_or_none(bias)
     return BiasActDropoutFunction.apply(x, bias, seed if active else None, float(dropout), active, activation)
 

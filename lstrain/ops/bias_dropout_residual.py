@@ -18,8 +18,10 @@ from lstrain.ops._lib.dropout import (
     ElementwisePlan,
     apply_dropout,
     check_dropout_inputs,
+    check_seed,
     column_walkers,
     dropout_keep,
+    dropout_mask,
     elementwise_plan,
     new_seed,
 )
@@ -259,14 +261,15 @@ def bias_dropout_residual(
         dropout: drop probability in [0, 1); kept elements are scaled by 1 / (1 - p).
         training: dropout is the identity when False.
         seed: a 1-element int64 tensor on x's device fixing the mask (see
-            :func:`lstrain.ops.dropout_mask`); drawn from torch's generator when None.
+            :func:`lstrain.ops.dropout_mask`: the same mask on every backend); drawn from
+            torch's generator when None.
 
     Returns:
         y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
 
     Raises:
-        ValueError: wrong dtype, device or shape of ``bias`` / ``residual``, or ``dropout``
-            outside [0, 1).
+        ValueError: wrong dtype, device or shape of ``bias`` / ``residual``, ``dropout``
+            outside [0, 1), or a ``seed`` that is not a 1-element int64 tensor on x's device.
     """
     check_dropout_inputs("bias_dropout_residual", x, bias, dropout)
     if residual.shape != x.shape or residual.device != x.device:
@@ -274,13 +277,15 @@ def bias_dropout_residual(
             f"bias_dropout_residual: residual must match x: got {tuple(residual.shape)} on {residual.device}, "
             f"x is {tuple(x.shape)} on {x.device}"
         )
+    check_seed("bias_dropout_residual", seed, x.device)
     active = training and dropout > 0
     backend = _backend.backend_for(x)
     _backend.note("bias_dropout_residual", backend)
-    if backend == "reference":  # torch's own dropout stream: lstrain's needs the kernels
-        return bias_dropout_residual_ref(x, bias, residual, dropout=dropout if active else 0.0)
     if active and seed is None:
         seed = new_seed(x.device)
+    if backend == "reference":  # the kernels' mask, drawn by plain PyTorch: a seed means one mask everywhere
+        mask = dropout_mask(seed, x.shape, dropout) if active else None
+        return bias_dropout_residual_ref(x, bias, residual, dropout=dropout if active else 0.0, mask=mask)
     bias = contiguous_or_none(bias)
     return BiasDropoutResidualFunction.apply(x, bias, residual, seed if active else None, float(dropout), active)
 

@@ -29,7 +29,15 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
-from lstrain.ops._lib.dropout import ElementwisePlan, apply_dropout, dropout_keep, elementwise_plan, new_seed
+from lstrain.ops._lib.dropout import (
+    ElementwisePlan,
+    apply_dropout,
+    check_seed,
+    dropout_keep,
+    dropout_mask,
+    elementwise_plan,
+    new_seed,
+)
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none
 
@@ -673,7 +681,9 @@ def embedding(
             counts from the end of the table, as in ``torch.nn.functional.embedding``.
         deterministic: sorted segment reduction instead of atomics in backward (bit-for-bit
             reproducible); default ``torch.are_deterministic_algorithms_enabled()``.
-        seed: a 1-element int64 tensor fixing the dropout mask (drawn when None).
+        seed: a 1-element int64 tensor on weight's device fixing the dropout mask (the
+            same mask on every backend: see :func:`lstrain.ops.dropout_mask`, over the
+            output's shape); drawn from torch's generator when None.
         check_ids: raise ValueError for ids or positions outside their tables; default on for
             CPU tensors, off on CUDA (the check would synchronise with the host), where such
             rows come out NaN and nothing outside the tables is read.
@@ -683,8 +693,9 @@ def embedding(
 
     Raises:
         ValueError: non-integer ids, 2**31 or more of them, mismatched tables, devices or
-            positions, a padding_idx outside [-V, V), a dropout outside [0, 1), or (when
-            checked) an id or position out of range.
+            positions, a padding_idx outside [-V, V), a dropout outside [0, 1), a ``seed``
+            that is not a 1-element int64 tensor on weight's device, or (when checked) an
+            id or position out of range.
     """
     if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() == 0:
         raise ValueError(f"embedding: tokens must be int64 or int32 ids with at least one dim, got {tokens.dtype}")
@@ -703,6 +714,7 @@ def embedding(
             raise ValueError(f"embedding: {name} is on {t.device} but weight is on {weight.device}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"embedding: dropout must be in [0, 1), got {dropout}")
+    check_seed("embedding", seed, weight.device)
     if padding_idx is not None:
         if not -weight.shape[0] <= padding_idx < weight.shape[0]:
             raise ValueError(
@@ -721,11 +733,12 @@ def embedding(
     backend = _backend.backend_for(weight)
     _backend.note("embedding", backend)
     padding = -1 if padding_idx is None else padding_idx
-    if backend == "reference":
-        return embedding_ref(tokens, weight, pos_weight=pos_weight, positions=positions, scale=scale,
-                             dropout=dropout if active else 0.0, padding_idx=padding_idx)  # fmt: skip
     if active and seed is None:
         seed = new_seed(weight.device)
+    if backend == "reference":  # the kernels' mask, drawn by plain PyTorch: a seed means one mask everywhere
+        mask = dropout_mask(seed, (*tokens.shape, weight.shape[1]), dropout) if active else None
+        return embedding_ref(tokens, weight, pos_weight=pos_weight, positions=positions, scale=scale,
+                             dropout=dropout if active else 0.0, padding_idx=padding_idx, mask=mask)  # fmt: skip
     weight, pos_weight = weight.contiguous(), contiguous_or_none(pos_weight)  # rows addressed as row * D
     if not torch.is_grad_enabled():  # nothing will be differentiated: no row counts in forward
         weight, pos_weight = weight.detach(), None if pos_weight is None else pos_weight.detach()

@@ -1,14 +1,23 @@
 """bias_dropout_residual and bias_act_dropout (they share the dropout machinery)."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from hypothesis import example, given
 
 import lstrain
-from lstrain.ops import bias_act_dropout, bias_act_dropout_ref, bias_dropout_residual, bias_dropout_residual_ref
-from lstrain.ops._lib.dropout import dropout_mask, elementwise_plan
+from lstrain.ops import (
+    bias_act_dropout,
+    bias_act_dropout_ref,
+    bias_dropout_residual,
+    bias_dropout_residual_ref,
+    embedding,
+)
+from lstrain.ops._lib.dropout import _philox_keep_ref, dropout_mask, elementwise_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import bias_dropout_cases
@@ -180,6 +189,82 @@ def test_bias_gradients_are_deterministic(device):
         for _ in range(3)
     ]
     assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
+# Each op with a seed, as masks: inputs of ones, so y != 0 exactly where an element is kept.
+_SEEDED_MASKS = """
+import torch
+from lstrain._backend import record_backends
+from lstrain.ops import bias_act_dropout, bias_dropout_residual, embedding
+
+def seeded_masks(device):
+    seed = torch.tensor([1234], dtype=torch.int64, device=device)
+    x = torch.ones(5, 3, 37, device=device)
+    tokens = torch.tensor([[0, 1, 2, 1], [2, 2, 0, 1]], device=device)
+    with record_backends() as ran:
+        masks = [
+            bias_dropout_residual(x, None, torch.zeros_like(x), dropout=0.3, seed=seed) != 0,
+            bias_act_dropout(x, None, activation="relu", dropout=0.3, seed=seed) != 0,
+            embedding(tokens, torch.ones(3, 37, device=device), dropout=0.3, seed=seed) != 0,
+        ]
+    return [mask.cpu() for mask in masks], sorted({backend for _, backend in ran})
+"""
+
+
+def test_a_seed_gives_the_same_mask_on_the_reference_path(device, tmp_path):
+    """The plain-PyTorch path (a CPU tensor without the interpreter, which a backend fixes
+    at import, hence the subprocess) draws the kernels' own mask from a seed."""
+    script = (
+        _SEEDED_MASKS
+        + f"\nmasks, backends = seeded_masks('cpu')\ntorch.save((masks, backends), {str(tmp_path / 'ref.pt')!r})\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=os.getcwd())
+    reference_masks, reference_backends = torch.load(tmp_path / "ref.pt")
+    assert reference_backends == ["reference"]
+    namespace = {}
+    exec(_SEEDED_MASKS, namespace)
+    masks, backends = namespace["seeded_masks"](device)
+    assert backends == [EXPECTED_BACKEND]
+    for mask, reference in zip(masks, reference_masks, strict=True):
+        assert 0 < mask.float().mean() < 1
+        assert torch.equal(mask, reference)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 8), (2, 3, 17), (4, 1033)])
+@pytest.mark.parametrize("seed", [0, 7, -5, 2**40 + 3])
+def test_plain_pytorch_philox_is_the_kernels(device, shape, seed):
+    seed = torch.tensor([seed], dtype=torch.int64, device=device)
+    for p in (0.1, 0.5, 0.9):
+        assert torch.equal(_philox_keep_ref(seed, shape, p), dropout_mask(seed, shape, p))
+
+
+@pytest.mark.parametrize(
+    "make_seed, match",
+    [
+        (lambda device: 3, "seed must be a 1-element int64 tensor, got int 3"),
+        (lambda device: torch.tensor([3.0], device=device), "seed must be a 1-element int64 tensor, got torch.float32"),
+        (
+            lambda device: torch.tensor([1, 2, 3], device=device),
+            r"seed must be a 1-element int64 tensor, got torch.int64 of shape \(3,\)",
+        ),
+        (lambda device: torch.tensor([3], dtype=torch.int32, device=device), "got torch.int32"),
+        (lambda device: torch.tensor([3], device="meta"), "seed is on meta"),
+    ],
+)
+def test_bad_seed_names_the_argument(device, make_seed, match):
+    seed = make_seed(device)
+    x = torch.randn(2, 8, device=device)
+    calls = [
+        lambda: bias_dropout_residual(x, None, x, dropout=0.1, seed=seed),
+        lambda: bias_act_dropout(x, None, dropout=0.1, seed=seed),
+        lambda: embedding(torch.zeros(2, 3, dtype=torch.long, device=device), x, dropout=0.1, seed=seed),
+        lambda: dropout_mask(seed, (2, 8), 0.1),
+    ]
+    for call in calls[: 3 if isinstance(seed, int) or seed.is_meta else 4]:
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ __all__ = [
     "ElementwisePlan",
     "apply_dropout",
     "check_dropout_inputs",
+    "check_seed",
     "column_walkers",
     "dropout_keep",
     "dropout_mask",
@@ -82,12 +83,35 @@ def new_seed(device: torch.device | str) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
 
 
+def check_seed(op: str, seed: object, device: torch.device) -> None:
+    """Refuse a ``seed=`` the kernels cannot read: anything but a 1-element int64 tensor
+    on the op's device (a Python int is refused too rather than copied to the device,
+    which a captured CUDA graph could not do, and which would fix its every replay's mask).
+
+    Raises:
+        ValueError: naming ``seed``, what it is and what it must be.
+    """
+    if seed is None:
+        return
+    fix = f"pass e.g. torch.tensor([3], dtype=torch.int64, device={str(device)!r}), or None to draw one"
+    if not isinstance(seed, torch.Tensor):
+        raise ValueError(f"{op}: seed must be a 1-element int64 tensor, got {type(seed).__name__} {seed!r}; {fix}")
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(
+            f"{op}: seed must be a 1-element int64 tensor, got {seed.dtype} of shape {tuple(seed.shape)}; {fix}"
+        )
+    if seed.device != device:
+        raise ValueError(f"{op}: seed is on {seed.device} but the op runs on {device}; {fix}")
+
+
 def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
     """The keep mask (bool, ``shape``) that lstrain's dropout kernels draw from ``seed``.
 
     The mask is a function of the seed, the last dim (a row's length) and an element's
-    (row, column) in the [*, shape[-1]] view; exposed so that tests can compare a fused op
-    with plain PyTorch under the very same mask.
+    (row, column) in the [*, shape[-1]] view, the same on every backend: the kernel draws
+    it on CUDA and in the interpreter, plain PyTorch the same Philox numbers otherwise, so
+    that an op's reference path honours a seed, and tests can compare a fused op with plain
+    PyTorch under the very same mask.
 
     Args:
         seed: the 1-element int64 seed tensor the op used (its device runs the kernel).
@@ -96,7 +120,14 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
 
     Returns:
         A bool tensor of ``shape``: True where an element is kept.
+
+    Raises:
+        ValueError: a ``seed`` that is not a 1-element int64 tensor.
     """
+    check_seed("dropout_mask", seed, seed.device if isinstance(seed, torch.Tensor) else torch.device("cpu"))
+    shape = tuple(shape)
+    if _backend.backend_for(seed) == "reference":
+        return _philox_keep_ref(seed, shape, p)
     mask = torch.empty(shape, dtype=torch.int8, device=seed.device)
     if mask.numel():
         cols = shape[-1]
@@ -104,6 +135,43 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
         grid = (mask.numel() // cols, cdiv(cols, block_cols))
         _dropout_mask_kernel[grid](seed, mask, cols, p, BLOCK_COLS=block_cols)
     return mask.bool()
+
+
+_LOW32 = 0xFFFFFFFF
+
+
+def _mul_wide(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of ``a * b`` for 32-bit ``a`` and ``b`` (int64 tensor),
+    from 16-bit pieces of ``a`` so that no int64 product overflows."""
+    upper, lower = (a >> 16) * b, (a & 0xFFFF) * b  # a * b = upper * 2**16 + lower
+    low = (((upper & 0xFFFF) << 16) + lower) & _LOW32
+    high = (upper + (lower >> 16)) >> 16
+    return high, low
+
+
+def _philox_keep_ref(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """:func:`dropout_keep` in plain PyTorch: Triton's Philox4x32-10 (``tl.randint4x``) in
+    int64 arithmetic on 32-bit values, the eight 16-bit numbers of a call in the kernel's
+    order, the same threshold."""
+    mask = torch.empty(shape, dtype=torch.bool, device=seed.device)
+    if mask.numel() == 0:
+        return mask
+    cols = shape[-1]
+    rows, octets = mask.numel() // cols, cdiv(cols, 8)
+    counter = torch.arange(rows * octets, dtype=torch.int64, device=seed.device)
+    c0, c1 = counter & _LOW32, counter >> 32
+    c2 = c3 = torch.zeros_like(counter)
+    key = seed.reshape(1)
+    k0, k1 = key & _LOW32, (key >> 32) & _LOW32
+    for _ in range(10):
+        high_b, low_b = _mul_wide(0xCD9E8D57, c2)
+        high_a, low_a = _mul_wide(0xD2511F53, c0)
+        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        k0, k1 = (k0 + 0x9E3779B9) & _LOW32, (k1 + 0xBB67AE85) & _LOW32
+    words = torch.stack((c0, c2, c1, c3), dim=-1)  # the kernel's interleave order
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).reshape(rows, octets * 8)[:, :cols]
+    threshold = int(torch.tensor(p, dtype=torch.float32) * 65536.0 + 0.5)  # fp32, as the kernel
+    return (halves >= threshold).reshape(shape)
 
 
 @dataclass(frozen=True)
