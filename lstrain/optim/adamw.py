@@ -47,14 +47,24 @@ def _adamw_kernel(
     pid = tl.program_id(0)
     group = tl.load(block_group_ptr + pid)
     slot = tl.load(block_slot_ptr + pid)
-    # hyper: [6, groups] fp32 = lr, beta1, beta2, eps, weight_decay, decoupled (0 or 1)
+    # hyper: [6, groups] fp64 = lr, beta1, beta2, eps, weight_decay, decoupled (0 or 1)
     lr = tl.load(hyper_ptr + group)
     beta1 = tl.load(hyper_ptr + groups + group)
     beta2 = tl.load(hyper_ptr + 2 * groups + group)
-    eps = tl.load(hyper_ptr + 3 * groups + group)
+    eps = tl.load(hyper_ptr + 3 * groups + group).to(tl.float32)
     weight_decay = tl.load(hyper_ptr + 4 * groups + group)
     decoupled = tl.load(hyper_ptr + 5 * groups + group)
-    step = tl.load(step_ptr + slot)
+    # The per-step scalars in fp64 and rounded once, as torch computes them on the host in
+    # Python floats: 1 - beta2**step from an fp32 beta2 and an fp32 exp2 / log2 pair is off
+    # by about 1e-4 of itself in the first steps.
+    step = tl.load(step_ptr + slot).to(tl.float64)
+    step_size = (lr / (1.0 - tl.exp(step * tl.log(beta1)))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2))).to(tl.float32)
+    shrink = (1.0 - decoupled * lr * weight_decay).to(tl.float32)
+    coupled_decay = ((1.0 - decoupled) * weight_decay).to(tl.float32)
+    one_minus_beta1 = (1.0 - beta1).to(tl.float32)
+    one_minus_beta2 = (1.0 - beta2).to(tl.float32)
+    beta2 = beta2.to(tl.float32)
     active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g, w, write = load_gradient_and_weight(
@@ -62,16 +72,15 @@ def _adamw_kernel(
         BLOCK,
     )  # fmt: skip
     # AdamW shrinks the weight, Adam adds the decay to the gradient (one of the two terms is 0)
-    g = g + (1.0 - decoupled) * weight_decay * w
-    w = w * (1.0 - decoupled * lr * weight_decay)
+    g = g + coupled_decay * w
+    w = w * shrink
     m = tl.load(exp_avg_ptr + offsets, mask=write, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=write, other=0.0)
-    m = m + (1.0 - beta1) * (g - m)  # torch's lerp for weights below 0.5
-    v = v * beta2 + (1.0 - beta2) * g * g
-    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-    bias_correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-    denom = tl.sqrt(v) / tl.sqrt(bias_correction2) + eps
-    w = w - (lr / bias_correction1) * (m / denom)
+    m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
+    v = v * beta2 + one_minus_beta2 * g * g
+    # correctly rounded sqrt and divisions, as torch's (Triton's defaults approximate them)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    w = w - step_size * tl.div_rn(m, denom)
     tl.store(exp_avg_ptr + offsets, m, mask=write)
     tl.store(exp_avg_sq_ptr + offsets, v, mask=write)
     store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER)

@@ -4,8 +4,9 @@ the host-side checks that keep the buffers and the model in step.
 
 Every ``step()`` first walks the parameters on the host (identity and pointer checks, no
 device sync): a ``.grad`` that autograd put in a new tensor (after ``model.zero_grad()`` or
-``p.grad = None``) is copied into the flat buffer and the view re-attached; a parameter whose ``.grad`` is None or that no longer requires grad is
-skipped as torch's optimizers skip a parameter without a gradient; a parameter moved, cast
+``p.grad = None``) is copied into the flat buffer and the view re-attached; a parameter
+whose ``.grad`` is None or that no longer requires grad is skipped as torch's optimizers
+skip a parameter without a gradient; a parameter moved, cast
 or re-pointed since the optimizer was built is an error; a 16-bit parameter written in place
 from outside (``model.load_state_dict``) re-seeds its fp32 master copy.
 """
@@ -293,8 +294,10 @@ class FlatOptimizer(torch.optim.Optimizer):
                 self._check_group(group)
             shape = (len(self.HYPER), len(self.param_groups))
             if self._hyper is None or tuple(self._hyper.shape) != shape:
-                self._hyper = torch.empty(shape, dtype=torch.float32, device=self.flat.device)
-            self._hyper.copy_(torch.tensor(values, dtype=torch.float32).t(), non_blocking=True)
+                self._hyper = torch.empty(shape, dtype=torch.float64, device=self.flat.device)
+            # fp64: the kernels derive their per-step scalars from these as torch derives them
+            # from Python floats
+            self._hyper.copy_(torch.tensor(values, dtype=torch.float64).t(), non_blocking=True)
             self._hyper_values = values
 
     def add_param_group(self, param_group: dict) -> None:

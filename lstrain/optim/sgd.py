@@ -37,11 +37,12 @@ def _sgd_kernel(
     pid = tl.program_id(0)
     group = tl.load(block_group_ptr + pid)
     slot = tl.load(block_slot_ptr + pid)
-    # hyper: [5, groups] fp32 = lr, momentum, dampening, weight_decay, nesterov (0 or 1)
-    lr = tl.load(hyper_ptr + group)
-    momentum = tl.load(hyper_ptr + groups + group)
-    dampening = tl.load(hyper_ptr + 2 * groups + group)
-    weight_decay = tl.load(hyper_ptr + 3 * groups + group)
+    # hyper: [5, groups] fp64 = lr, momentum, dampening, weight_decay, nesterov (0 or 1),
+    # rounded to fp32 as torch rounds its Python-float options in the kernels
+    lr = tl.load(hyper_ptr + group).to(tl.float32)
+    momentum = tl.load(hyper_ptr + groups + group).to(tl.float32)
+    one_minus_dampening = (1.0 - tl.load(hyper_ptr + 2 * groups + group)).to(tl.float32)
+    weight_decay = tl.load(hyper_ptr + 3 * groups + group).to(tl.float32)
     nesterov = tl.load(hyper_ptr + 4 * groups + group)
     first = tl.load(step_ptr + slot) == 1.0
     active = tl.load(active_ptr + slot)
@@ -53,7 +54,7 @@ def _sgd_kernel(
     g = g + weight_decay * w
     # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
     buf = tl.load(momentum_ptr + offsets, mask=write, other=0.0)
-    buf = tl.where(first, g, momentum * buf + (1.0 - dampening) * g)
+    buf = tl.where(first, g, momentum * buf + one_minus_dampening * g)
     update = tl.where(nesterov != 0.0, g + momentum * buf, buf)
     update = tl.where(momentum == 0.0, g, update)
     w = w - lr * update

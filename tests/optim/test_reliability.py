@@ -358,7 +358,11 @@ def test_sgd_honours_nesterov_per_group():
 def test_non_contiguous_and_view_parameters_train_as_in_torch():
     torch.manual_seed(0)
     base = torch.randn(6, 4, device=DEVICE)
-    ours = [torch.nn.Parameter(base.t()), torch.nn.Parameter(base[1:3]), torch.nn.Parameter(torch.randn(0))]
+    ours = [
+        torch.nn.Parameter(base.t()),
+        torch.nn.Parameter(base[1:3]),
+        torch.nn.Parameter(torch.randn(0, device=DEVICE)),
+    ]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     optimizer = FusedAdamW(ours, lr=1e-2)
     reference = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
