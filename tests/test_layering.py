@@ -1,8 +1,8 @@
 """Imports run one way: each lstrain package imports only from the packages below it.
 
-The order, top to bottom: __main__ -> cli -> testing -> nn -> ops / optim -> _backend. ops and optim
-sit side by side and import neither each other. A new package takes its place in
-``LAYERS`` before it can import anything.
+The order, top to bottom: __main__ -> cli -> testing -> models -> layers -> nn -> ops /
+optim -> _backend. ops and optim sit side by side and import neither each other. A new
+package takes its place in ``LAYERS`` before it can import anything.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ LAYERS = [
     {"_backend"},
     {"ops", "optim"},
     {"nn"},
+    {"layers"},
+    {"models"},
     {"testing"},
     {"cli"},
     {"__main__"},
