@@ -57,7 +57,8 @@ def test_compiles_the_gluon_kernels_the_interpreter_cannot_run(arch, monkeypatch
     monkeypatch.chdir(REPO)
     for launch, result in zip(launches, _compile_in_child(launches, None, arch), strict=True):
         assert "error" not in result, (launch["signature"]["logits_ptr"], launch["constexprs"], result["error"])
-        assert result["shared"] <= SHARED_MEMORY[arch] and (result["spill_bytes"] or 0) <= 4, (launch["constexprs"], result)
+        spilled = result["spill_bytes"] or 0  # sm_80 compiles report no count
+        assert result["shared"] <= SHARED_MEMORY[arch] and spilled <= 4, (launch["constexprs"], result)
 
 
 def test_plan_grid_collects_every_op():
