@@ -24,6 +24,7 @@ from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv
+from lstrain.ops._lib.options import float_option
 
 __all__ = [
     "AttentionSoftmaxFunction",
@@ -295,7 +296,7 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
         return dscores, None, dz.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype), None, None
 
 
-def _validate(scores, key_padding_mask, mask, scale) -> None:
+def _validate(scores, key_padding_mask, mask, scale) -> float:
     if scores.dim() != 4:
         raise ValueError(
             f"attention_softmax: scores must be 4-D [batch, heads, q_len, k_len], got shape {tuple(scores.shape)}"
@@ -333,8 +334,7 @@ def _validate(scores, key_padding_mask, mask, scale) -> None:
             )
         if mask.device != scores.device:
             raise ValueError(f"attention_softmax: mask is on {mask.device} but scores is on {scores.device}")
-    if not isinstance(scale, (int, float)) or scale != scale or abs(scale) == float("inf"):
-        raise ValueError(f"attention_softmax: scale must be a finite number, got {scale!r}")
+    return float_option("attention_softmax", "scale", scale)
 
 
 def attention_softmax(
@@ -366,14 +366,15 @@ def attention_softmax(
 
     Raises:
         ValueError: ``scores`` is not 4-D or not a float type, k_len is too long, a mask
-            has the wrong shape, dtype or device, or ``scale`` is not finite.
+            has the wrong shape, dtype or device, or ``scale`` is not a finite number (a
+            Python or numpy scalar or a 0-d CPU tensor; for a CUDA tensor pass a float).
     """
-    _validate(scores, key_padding_mask, mask, scale)
+    scale = _validate(scores, key_padding_mask, mask, scale)
     backend = _backend.backend_for(scores)
     _backend.note("attention_softmax", backend)
     if backend == "reference":
         return attention_softmax_ref(scores, scale=scale, key_padding_mask=key_padding_mask, mask=mask, causal=causal)
-    return AttentionSoftmaxFunction.apply(scores, key_padding_mask, mask, float(scale), bool(causal))
+    return AttentionSoftmaxFunction.apply(scores, key_padding_mask, mask, scale, bool(causal))
 
 
 def attention_softmax_ref(

@@ -284,7 +284,7 @@ def bias_act_dropout(
             ``dropout`` outside [0, 1), or a ``seed`` that is not a 1-element int64 tensor
             on x's device.
     """
-    check_dropout_inputs("bias_act_dropout", x, bias, dropout)
+    dropout = check_dropout_inputs("bias_act_dropout", x, bias, dropout)
     if activation not in ACTIVATIONS:
         raise ValueError(f"bias_act_dropout: activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_seed("bias_act_dropout", seed, x.device)
@@ -297,7 +297,7 @@ def bias_act_dropout(
         mask = dropout_mask(seed, x.shape, dropout) if active else None
         return bias_act_dropout_ref(x, bias, activation=activation, dropout=dropout if active else 0.0, mask=mask)
     bias = contiguous_or_none(bias)
-    return BiasActDropoutFunction.apply(x, bias, seed if active else None, float(dropout), active, activation)
+    return BiasActDropoutFunction.apply(x, bias, seed if active else None, dropout, active, activation)
 
 
 def bias_act_dropout_ref(

@@ -271,7 +271,7 @@ def bias_dropout_residual(
         ValueError: wrong dtype, device or shape of ``bias`` / ``residual``, ``dropout``
             outside [0, 1), or a ``seed`` that is not a 1-element int64 tensor on x's device.
     """
-    check_dropout_inputs("bias_dropout_residual", x, bias, dropout)
+    dropout = check_dropout_inputs("bias_dropout_residual", x, bias, dropout)
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(
             f"bias_dropout_residual: residual must match x: got {tuple(residual.shape)} on {residual.device}, "
@@ -287,7 +287,7 @@ def bias_dropout_residual(
         mask = dropout_mask(seed, x.shape, dropout) if active else None
         return bias_dropout_residual_ref(x, bias, residual, dropout=dropout if active else 0.0, mask=mask)
     bias = contiguous_or_none(bias)
-    return BiasDropoutResidualFunction.apply(x, bias, residual, seed if active else None, float(dropout), active)
+    return BiasDropoutResidualFunction.apply(x, bias, residual, seed if active else None, dropout, active)
 
 
 def bias_dropout_residual_ref(

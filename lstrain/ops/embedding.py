@@ -40,6 +40,7 @@ from lstrain.ops._lib.dropout import (
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none
+from lstrain.ops._lib.options import float_option, int_option
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
 
@@ -692,8 +693,9 @@ def embedding(
         ``[*tokens.shape, D]`` in weight's dtype.
 
     Raises:
-        ValueError: non-integer ids, 2**31 or more of them, mismatched tables, devices or
-            positions, a padding_idx outside [-V, V), a dropout outside [0, 1), a ``seed``
+        ValueError: non-integer ids or positions (int64 / int32 only), 2**31 or more ids,
+            mismatched tables, devices or positions, a padding_idx that is no integer in
+            [-V, V), a dropout outside [0, 1), a scale that is not finite, a ``seed``
             that is not a 1-element int64 tensor on weight's device, or (when checked) an
             id or position out of range.
     """
@@ -709,13 +711,16 @@ def embedding(
         )
     if positions is not None and (pos_weight is None or positions.shape != tokens.shape):
         raise ValueError("embedding: positions need pos_weight and must be shaped like tokens")
+    if positions is not None and positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"embedding: positions must be int64 or int32 ids, got {positions.dtype}")
     for name, t in (("tokens", tokens), ("pos_weight", pos_weight), ("positions", positions)):
         if t is not None and t.device != weight.device:
             raise ValueError(f"embedding: {name} is on {t.device} but weight is on {weight.device}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"embedding: dropout must be in [0, 1), got {dropout}")
+    dropout = float_option("embedding", "dropout", dropout, 0, 1, high_open=True)
+    scale = float_option("embedding", "scale", scale)
     check_seed("embedding", seed, weight.device)
     if padding_idx is not None:
+        padding_idx = int_option("embedding", "padding_idx", padding_idx)
         if not -weight.shape[0] <= padding_idx < weight.shape[0]:
             raise ValueError(
                 f"embedding: padding_idx must be in [-{weight.shape[0]}, {weight.shape[0]}), got {padding_idx}"
@@ -747,10 +752,10 @@ def embedding(
         weight,
         pos_weight,
         positions,
-        float(scale),
+        scale,
         padding,
         seed if active else None,
-        float(dropout),
+        dropout,
         deterministic,
     )
 

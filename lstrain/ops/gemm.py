@@ -39,6 +39,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none
+from lstrain.ops._lib.options import float_option
 from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd, bias_act_dropout_bwd_op
 
 __all__ = [
@@ -748,7 +749,8 @@ def gemm(
     Raises:
         ValueError: operands not 2-D, inner dims that differ, mixed dtypes or devices, a
             ``c`` or ``bias`` of the wrong shape or not floating point, an ``out_dtype``
-            other than float32 / float16 / bfloat16, or an unknown activation.
+            other than float32 / float16 / bfloat16, an unknown activation, or an alpha or
+            beta that is not a finite number (a Python or numpy scalar or a 0-d CPU tensor).
     """
     a, b = autocast_inputs(a, b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -768,6 +770,7 @@ def gemm(
     if b.device != a.device:
         raise ValueError(f"gemm: b is on {b.device} but a is on {a.device}")
     act = activation_index(activation, "gemm")
+    alpha, beta = float_option("gemm", "alpha", alpha), float_option("gemm", "beta", beta)
     out_dtype = out_dtype or a.dtype
     if out_dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"gemm: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
@@ -775,7 +778,7 @@ def gemm(
     _backend.note("gemm", backend)
     if backend == "reference":
         return gemm_ref(a, b, c=c, bias=bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype)
-    options = (float(alpha), float(beta), act, out_dtype)
+    options = (alpha, beta, act, out_dtype)
     bias = contiguous_or_none(bias)
     if differentiated(a, b, c, bias):
         return GemmFunction.apply(a, b, c, bias, *options)

@@ -29,6 +29,7 @@ from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -464,7 +465,8 @@ def layer_norm(
 
     Raises:
         ValueError: ``x`` does not end in ``normalized_shape``, a parameter has the wrong
-            shape, dtype or device, or ``eps`` is negative.
+            shape, dtype or device, or ``eps`` is negative or not finite (numbers may be
+            Python or numpy scalars or 0-d CPU tensors).
     """
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
@@ -473,13 +475,12 @@ def layer_norm(
         raise ValueError(f"layer_norm: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     _check_param("weight", weight, x, shape)
     _check_param("bias", bias, x, shape)
-    if not eps >= 0:
-        raise ValueError(f"layer_norm: eps must be >= 0, got {eps}")
+    eps = float_option("layer_norm", "eps", eps, 0)
     backend = _backend.backend_for(x)
     _backend.note("layer_norm", backend)
     if backend == "reference":
         return layer_norm_ref(x, shape, weight, bias, eps)
-    return LayerNormFunction.apply(x, list(shape), contiguous_or_none(weight), contiguous_or_none(bias), float(eps))
+    return LayerNormFunction.apply(x, list(shape), contiguous_or_none(weight), contiguous_or_none(bias), eps)
 
 
 def layer_norm_ref(

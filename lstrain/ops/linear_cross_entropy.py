@@ -203,7 +203,7 @@ def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch
     return 4 * weight.numel() <= chunk_bytes or chunks > MAX_16BIT_SUMS
 
 
-def _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss) -> None:
+def _validate(hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, chunk_bytes):
     if hidden.dim() != 2:
         raise ValueError(f"linear_cross_entropy: hidden must be 2-D [tokens, D], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -227,7 +227,9 @@ def _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss) 
     for name, t in (("weight", weight), ("target", target), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"linear_cross_entropy: {name} is on {t.device} but hidden is on {hidden.device}")
-    check_loss_options("linear_cross_entropy", target, label_smoothing, reduction, z_loss)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"linear_cross_entropy: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    return check_loss_options("linear_cross_entropy", target, label_smoothing, ignore_index, reduction, z_loss)
 
 
 def linear_cross_entropy(
@@ -270,14 +272,17 @@ def linear_cross_entropy(
         The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).
 
     Raises:
-        ValueError: mismatched shapes, dtypes or devices, or a bad option (see
-            :func:`lstrain.ops.cross_entropy`).
+        ValueError: mismatched shapes, dtypes or devices, a ``chunk_bytes`` that is not a
+            positive int, or a bad option (see :func:`lstrain.ops.cross_entropy`); errors
+            name linear_cross_entropy.
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
-    _validate(hidden, weight, target, bias, label_smoothing, reduction, z_loss)
+    label_smoothing, ignore_index, z_loss = _validate(
+        hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, chunk_bytes
+    )
     check = check_targets if check_targets is not None else not hidden.is_cuda
     if check and not torch.compiler.is_compiling():
-        check_target_range(target, weight.shape[0], ignore_index)
+        check_target_range("linear_cross_entropy", target, weight.shape[0], ignore_index)
     backend = _backend.backend_for(hidden)
     _backend.note("linear_cross_entropy", backend)
     if backend == "reference":
@@ -288,7 +293,7 @@ def linear_cross_entropy(
     if not torch.is_grad_enabled():  # nothing will be differentiated: no gradients in forward
         hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
     loss = LinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, float(label_smoothing), int(ignore_index), float(z_loss), reduction,
+        hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction,
         chunk_bytes, _fp32_sum(fp32_weight_grad, hidden, weight, chunk_bytes),
     )  # fmt: skip
     return loss.to(hidden.dtype)

@@ -181,6 +181,15 @@ def test_unchecked_bad_ids_give_nan_rows(device):
         (dict(pos_weight=torch.randn(1, 3)), "seq_len 2 exceeds max_positions 1"),
         (dict(pos_weight=torch.randn(4, 3), positions=torch.tensor([[0, 4]])), "position 4 at \\(0, 1\\)"),
         (dict(positions=torch.tensor([[0, 1]])), "positions need pos_weight"),
+        (
+            dict(pos_weight=torch.randn(4, 3), positions=torch.tensor([[0.0, 1.0]])),
+            "positions must be int64 or int32 ids, got torch.float32",
+        ),
+        (
+            dict(pos_weight=torch.randn(4, 3), positions=torch.tensor([[0, 1]], dtype=torch.int16)),
+            "positions must be int64 or int32 ids, got torch.int16",
+        ),
+        (dict(seed=torch.tensor([1, 2, 3]), dropout=0.1), "seed must be a 1-element int64 tensor"),
         (dict(dropout=1.5), "dropout must be in \\[0, 1\\)"),
         (dict(padding_idx=5), "padding_idx must be in \\[-5, 5\\), got 5"),
         (dict(pos_weight=torch.randn(4, 3, device="meta")), "pos_weight is on meta"),

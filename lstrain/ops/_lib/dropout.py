@@ -18,6 +18,7 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain.ops._lib.layout import cdiv
+from lstrain.ops._lib.options import float_option
 
 __all__ = [
     "ElementwisePlan",
@@ -218,8 +219,8 @@ def column_walkers(
     return (col_blocks, walkers), partials
 
 
-def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: float) -> None:
-    """Checks shared by the bias + dropout ops."""
+def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p: object) -> float:
+    """Checks shared by the bias + dropout ops; returns the dropout probability as a float."""
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dim, got a scalar")
     if x.dtype not in _SUPPORTED_DTYPES:
@@ -231,5 +232,4 @@ def check_dropout_inputs(op: str, x: torch.Tensor, bias: torch.Tensor | None, p:
             raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
         if bias.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"{op}: bias has dtype {bias.dtype}; expected float32, float16 or bfloat16")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{op}: dropout must be in [0, 1), got {p}")
+    return float_option(op, "dropout", p, 0, 1, high_open=True)

@@ -38,6 +38,7 @@ from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows
+from lstrain.ops._lib.options import float_option, int_option
 from lstrain.ops.cross_entropy.plan import (
     CrossEntropyPlan,
     cross_entropy_plan,
@@ -294,7 +295,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return rescale_gradient(grad, grad_loss), None, None, None, None, None, None
 
 
-def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) -> None:
+def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) -> tuple[float, int, float]:
     if logits.dim() not in (2, 3):
         raise ValueError(
             f"cross_entropy: logits must be 2-D [tokens, V] or 3-D [batch, seq, V], got {tuple(logits.shape)}"
@@ -310,19 +311,26 @@ def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) 
         raise ValueError(f"cross_entropy: target is on {target.device} but logits is on {logits.device}")
     if logits.shape[-1] == 0:
         raise ValueError("cross_entropy: logits has no classes (V = 0)")
-    check_loss_options("cross_entropy", target, label_smoothing, reduction, z_loss)
+    return check_loss_options("cross_entropy", target, label_smoothing, ignore_index, reduction, z_loss)
 
 
-def check_loss_options(op: str, target: torch.Tensor, label_smoothing: float, reduction: str, z_loss: float) -> None:
-    """The checks shared by the cross-entropy ops: target dtype and the loss options."""
+def check_loss_options(
+    op: str, target: torch.Tensor, label_smoothing: object, ignore_index: object, reduction: str, z_loss: object
+) -> tuple[float, int, float]:
+    """The checks shared by the cross-entropy ops: target dtype and the loss options.
+
+    Returns:
+        ``(label_smoothing, ignore_index, z_loss)`` as the Python numbers the kernels take.
+    """
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{op}: target must be int64 or int32 class indices, got {target.dtype}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= z_loss < float("inf"):
-        raise ValueError(f"{op}: z_loss must be a finite number >= 0, got {z_loss}")
+    return (
+        float_option(op, "label_smoothing", label_smoothing, 0, 1),
+        int_option(op, "ignore_index", ignore_index),
+        float_option(op, "z_loss", z_loss, 0),
+    )
 
 
 def refuse_leaf_overwrite(logits: torch.Tensor) -> None:
@@ -338,12 +346,13 @@ def refuse_leaf_overwrite(logits: torch.Tensor) -> None:
         )
 
 
-def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+def check_target_range(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise ValueError for a target outside [0, vocab) that is not ignore_index (a host sync)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"cross_entropy: target {int(target[index])} at {index} is outside [0, {vocab}) "
+            f"{op}: target {int(target[index])} at {index} is outside [0, {vocab}) "
             f"and is not ignore_index ({ignore_index})"
         )
 
@@ -397,14 +406,16 @@ def cross_entropy(
     Raises:
         ValueError: logits not 2-D/3-D or not a float type, target of the wrong shape,
             dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
-            negative z_loss, V = 0, or (when checked) a target out of range.
+            z_loss that is negative or not finite, an ignore_index that is no integer, V = 0,
+            or (when checked) a target out of range. The numbers may be Python or numpy
+            scalars or 0-d CPU tensors; a CUDA tensor is refused (reading it would sync).
         RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad
             (or a view of one), with grad mode on (eager mode).
     """
-    _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
+    label_smoothing, ignore_index, z_loss = _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
     check = check_targets if check_targets is not None else not logits.is_cuda
     if check and not torch.compiler.is_compiling():
-        check_target_range(target, logits.shape[-1], ignore_index)
+        check_target_range("cross_entropy", target, logits.shape[-1], ignore_index)
     backend = _backend.backend_for(logits)
     _backend.note("cross_entropy", backend)
     if backend == "reference":
@@ -421,7 +432,7 @@ def cross_entropy(
     elif inplace_backward and not torch.compiler.is_compiling():
         refuse_leaf_overwrite(logits)
     loss = CrossEntropyFunction.apply(
-        logits, target, float(label_smoothing), int(ignore_index), float(z_loss), reduction, inplace_backward
+        logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward
     )
     return loss.to(logits.dtype)  # a reduced loss is in that dtype already, outside torch.compile
 

@@ -1,0 +1,102 @@
+"""Host-side checks of the ops' scalar options (probabilities, scales, eps, indices).
+
+An option may be a Python number, a numpy scalar or a 0-d CPU tensor, read on the host for
+free; a CUDA tensor is refused, since reading it would synchronise with the host (and
+break CUDA-graph capture). Each check returns the plain Python value the kernels take.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = ["float_option", "int_option"]
+
+
+def _host_value(op: str, name: str, value: object, kind: str) -> object:
+    """``value`` as a Python scalar, or a ValueError naming ``name`` when it is no scalar."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex():
+            raise ValueError(f"{op}: {name} must be {kind}, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type != "cpu":
+            raise ValueError(
+                f"{op}: {name} must be {kind}, got a 0-d tensor on {value.device}; reading it would synchronise "
+                f"with the host: pass a Python number (float({name}) once, outside the step)"
+            )
+        return value.item()
+    return value
+
+
+def float_option(
+    op: str,
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """A finite real option within optional bounds, as a Python float.
+
+    Args:
+        op: the op's name, for the message.
+        name: the argument's name.
+        value: a Python int or float, a numpy scalar or a 0-d CPU tensor.
+        low, high: bounds (None: unbounded on that side).
+        low_open, high_open: whether a bound itself is excluded.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        ValueError: naming ``name`` and ``value``: not a real number (bools and CUDA
+            tensors included), not finite, or outside the bounds.
+    """
+    if low is None and high is None:
+        kind = "a finite number"
+    elif high is None:
+        kind = f"a finite number {'>' if low_open else '>='} {low}"
+    elif low is None:
+        kind = f"a finite number {'<' if high_open else '<='} {high}"
+    else:
+        kind = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    scalar = _host_value(op, name, value, kind)
+    if isinstance(scalar, bool) or not isinstance(scalar, numbers.Real):
+        raise ValueError(f"{op}: {name} must be {kind}, got {type(value).__name__} {value!r}")
+    number = float(scalar)
+    inside = math.isfinite(number)
+    if low is not None:
+        inside = inside and (number > low if low_open else number >= low)
+    if high is not None:
+        inside = inside and (number < high if high_open else number <= high)
+    if not inside:
+        raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
+    return number
+
+
+def int_option(op: str, name: str, value: object, low: int | None = None) -> int:
+    """An integer option (at least ``low`` when given), as a Python int.
+
+    Args:
+        op: the op's name, for the message.
+        name: the argument's name.
+        value: a Python int, a numpy integer or a 0-d integer CPU tensor.
+        low: the smallest value allowed (None: any).
+
+    Returns:
+        ``int(value)``.
+
+    Raises:
+        ValueError: naming ``name`` and ``value``: not an integer (floats and bools
+            included) or below ``low``.
+    """
+    kind = "an integer" if low is None else f"an integer >= {low}"
+    scalar = _host_value(op, name, value, kind)
+    if isinstance(scalar, bool) or not isinstance(scalar, numbers.Integral):
+        raise ValueError(f"{op}: {name} must be {kind}, got {type(value).__name__} {value!r}")
+    if low is not None and scalar < low:
+        raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
+    return int(scalar)
