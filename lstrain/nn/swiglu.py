@@ -35,7 +35,6 @@ class SwiGLUMLP(torch.nn.Module):
         self.gate_up_weight = torch.nn.Parameter(gate_up)
         self.down_weight = torch.nn.Parameter(down)
         self._register_state_dict_hook(_to_separate_weights)
-        self._register_load_state_dict_pre_hook(_from_separate_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu_mlp(x, self.gate_up_weight.t(), self.down_weight.t())
@@ -43,17 +42,49 @@ class SwiGLUMLP(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
 
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """Load the checkpoint keys (``gate_proj.weight``, ``up_proj.weight``,
+        ``down_proj.weight``) into the packed parameters, reporting missing keys and size
+        mismatches by those names, as torch reports an HF-style MLP's: a key that is there
+        loads even when another is missing (the other half of the pair keeps its values)."""
+        features, hidden = self.intermediate_size, self.hidden_size
+        shapes = {"gate_proj.weight": (features, hidden), "up_proj.weight": (features, hidden)}
+        shapes["down_proj.weight"] = (hidden, features)
+        loaded = {}
+        for name, shape in shapes.items():
+            key = prefix + name
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+            elif tuple(state_dict[key].shape) != shape:
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {state_dict[key].shape} from checkpoint, "
+                    f"the shape in current model is {torch.Size(shape)}."
+                )
+                state_dict.pop(key)
+            else:
+                loaded[name] = state_dict.pop(key)
+        if "gate_proj.weight" in loaded or "up_proj.weight" in loaded:
+            with torch.no_grad():
+                gate, up = unpack_gate_up(self.gate_up_weight.t())
+            gate = loaded["gate_proj.weight"].t() if "gate_proj.weight" in loaded else gate.to(loaded["up_proj.weight"])
+            up = loaded["up_proj.weight"].t() if "up_proj.weight" in loaded else up.to(gate)
+            state_dict[prefix + "gate_up_weight"] = pack_gate_up(gate, up).t()
+        if "down_proj.weight" in loaded:
+            state_dict[prefix + "down_weight"] = loaded["down_proj.weight"]
+        first_new = len(missing_keys)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # the packed parameters' own names mean nothing to a checkpoint: its keys were reported above
+        internal = (prefix + "gate_up_weight", prefix + "down_weight")
+        missing_keys[first_new:] = [key for key in missing_keys[first_new:] if key not in internal]
+
 
 def _to_separate_weights(module, state_dict, prefix, local_metadata):
     gate, up = unpack_gate_up(state_dict.pop(prefix + "gate_up_weight").t())
     state_dict[prefix + "gate_proj.weight"] = gate.t()
     state_dict[prefix + "up_proj.weight"] = up.t()
     state_dict[prefix + "down_proj.weight"] = state_dict.pop(prefix + "down_weight")
-
-
-def _from_separate_weights(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    keys = (prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "down_proj.weight")
-    if all(key in state_dict for key in keys):
-        gate, up, down = (state_dict.pop(key) for key in keys)
-        state_dict[prefix + "gate_up_weight"] = pack_gate_up(gate.t(), up.t()).t()
-        state_dict[prefix + "down_weight"] = down
