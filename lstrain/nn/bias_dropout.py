@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lstrain.ops._lib.options import float_option
 from lstrain.ops.bias_act_dropout import ACTIVATIONS, bias_act_dropout
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual
 
@@ -17,10 +18,8 @@ __all__ = ["BiasActDropout", "BiasDropoutResidual"]
 class _BiasDropout(torch.nn.Module):
     def __init__(self, features: int, dropout: float, bias: bool, device=None, dtype=None) -> None:
         super().__init__()
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{type(self).__name__}: dropout must be in [0, 1), got {dropout}")
         self.features = features
-        self.dropout = dropout
+        self.dropout = float_option(type(self).__name__, "dropout", dropout, 0, 1, high_open=True)
         self.bias = torch.nn.Parameter(torch.zeros(features, device=device, dtype=dtype)) if bias else None
 
     def extra_repr(self) -> str:

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from lstrain.ops._lib.options import float_option
 from lstrain.ops.embedding import embedding
 
 __all__ = ["TransformerEmbedding", "sinusoidal_positions"]
@@ -21,8 +22,16 @@ def sinusoidal_positions(max_positions: int, dim: int, device=None, dtype=None) 
         dtype: of the result (default torch's default dtype).
 
     Returns:
-        A ``[max_positions, dim]`` tensor.
+        A ``[max_positions, dim]`` tensor (empty when either is 0, as torch's factories).
+
+    Raises:
+        ValueError: a negative or non-integer ``max_positions`` or ``dim``.
     """
+    for name, value in (("max_positions", max_positions), ("dim", dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"sinusoidal_positions: {name} must be an int >= 0, got {value!r}")
+    if dim == 0:  # no columns, and no frequencies to divide by dim
+        return torch.zeros(max_positions, 0, device=device, dtype=dtype or torch.get_default_dtype())
     position = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None]
     frequency = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64, device=device) * (-math.log(10000.0) / dim))
     table = torch.zeros(max_positions, dim, dtype=torch.float64, device=device)
@@ -60,11 +69,9 @@ class TransformerEmbedding(torch.nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"TransformerEmbedding: dropout must be in [0, 1), got {dropout}")
         self.padding_idx = padding_idx
-        self.dropout = dropout
-        self.scale = math.sqrt(dim) if scale is None else scale
+        self.dropout = float_option("TransformerEmbedding", "dropout", dropout, 0, 1, high_open=True)
+        self.scale = math.sqrt(dim) if scale is None else float_option("TransformerEmbedding", "scale", scale)
         self.weight = torch.nn.Parameter(torch.randn(vocab_size, dim, device=device, dtype=dtype) * dim**-0.5)
         if padding_idx is not None:
             with torch.no_grad():

@@ -224,6 +224,16 @@ def test_transformer_embedding_module(device):
     assert table[3, 0].item() == pytest.approx(math.sin(3)) and table[3, 1].item() == pytest.approx(math.cos(3))
 
 
+def test_sinusoidal_positions_of_no_columns_and_bad_sizes():
+    assert lstrain.nn.sinusoidal_positions(4, 0).shape == (4, 0)
+    assert lstrain.nn.sinusoidal_positions(0, 6).shape == (0, 6)
+    odd = lstrain.nn.sinusoidal_positions(5, 3, dtype=torch.float64)
+    assert odd.shape == (5, 3) and odd[2, 2].item() == pytest.approx(math.sin(2 * 10000 ** (-2 / 3)))
+    for args, match in (((4, -2), "dim must be an int >= 0, got -2"), ((4.0, 2), "max_positions must be an int")):
+        with pytest.raises(ValueError, match=match):
+            lstrain.nn.sinusoidal_positions(*args)
+
+
 def test_torch_compile_fullgraph(device):
     weight = torch.randn(20, 8, device=device, requires_grad=True)
     pos_weight = torch.randn(6, 8, device=device, requires_grad=True)
