@@ -1,0 +1,193 @@
+"""Multi-head self-attention over one packed QKV projection.
+
+``c_attn`` (weight ``[3 * dim, dim]``, torch's Linear layout) makes q, k and v in one GEMM;
+they are strided views of its output (no copies: SDPA and the bias path need only the last
+dim contiguous). ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN /
+memory-efficient) computes the attention, unless the caller passes a learned additive bias,
+which SDPA cannot fuse: then the scores go through :func:`lstrain.ops.attention_softmax`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lstrain.layers._residual import add_residual
+from lstrain.ops import attention_softmax
+
+__all__ = ["SelfAttention", "sdpa_mask", "split_heads"]
+
+
+class _PackedHeads(torch.autograd.Function):
+    """q, k, v as views of a ``[batch, seq, 3 * dim]`` projection; backward writes their
+    gradients straight into one ``[batch, seq, 3, heads, head_dim]`` buffer: one copy, where
+    autograd's unbind + permute + view backward makes two (a stack, then a reshape)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, heads: int):
+        batch, seq, width = qkv.shape
+        parts = qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4)
+        return parts[0], parts[1], parts[2]
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        # Undefined gradients arrive as zeros (materialize_grads is on by default).
+        dqkv = torch.stack([g.transpose(1, 2) for g in (dq, dk, dv)], dim=2)
+        return dqkv.flatten(2), None
+
+
+def split_heads(qkv: torch.Tensor, heads: int, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a packed projection into q, k, v of shape ``[batch, heads, seq, head_dim]``.
+
+    Args:
+        qkv: ``[batch, seq, 3 * dim]``, q then k then v along the last dim, each head's
+            ``head_dim`` columns together (GPT-2's and torch's layout); contiguous.
+        heads: number of heads; ``dim`` must be a multiple of it.
+        fused: gradients gathered in one copy (a small autograd.Function) rather than
+            through autograd's views.
+
+    Returns:
+        ``(q, k, v)``, strided views of ``qkv`` (last dim contiguous).
+
+    Raises:
+        ValueError: ``qkv`` is not 3-D or its width is not a multiple of ``3 * heads``.
+    """
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads):
+        raise ValueError(
+            f"split_heads: qkv must be [batch, seq, 3 * dim] with dim a multiple of heads={heads}, "
+            f"got shape {tuple(qkv.shape)}"
+        )
+    if fused:
+        return _PackedHeads.apply(qkv, heads)
+    batch, seq, width = qkv.shape
+    return qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def sdpa_mask(key_padding_mask: torch.Tensor, q_len: int, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask for ``scaled_dot_product_attention``.
+
+    Masked keys get ``finfo(dtype).min`` rather than -inf, as Hugging Face's models do: a
+    query row with every key masked (a left-padded query) then comes out finite instead of
+    NaN, and its NaN cannot spread through the next layers' ``0 * v``.
+
+    Args:
+        key_padding_mask: ``[batch, k_len]`` bool, True where a key is padding.
+        q_len: number of queries.
+        causal: also mask key k for query q when k > q (top-left aligned).
+        dtype: of the queries (the mask's dtype).
+
+    Returns:
+        ``[batch, 1, q_len, k_len]`` if causal, else ``[batch, 1, 1, k_len]``: 0 where a
+        key is attended, ``finfo(dtype).min`` where it is masked.
+    """
+    keep = ~key_padding_mask[:, None, None, :]
+    if causal:
+        k_len = key_padding_mask.shape[-1]
+        keep = keep & torch.ones(q_len, k_len, dtype=torch.bool, device=keep.device).tril()
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def _masked_softmax(
+    scores: torch.Tensor, scale: float, key_padding_mask: torch.Tensor | None, bias: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """Plain torch for :func:`lstrain.ops.attention_softmax` (rows with no key: zeros)."""
+    z = scores * scale + bias
+    q_len, k_len = scores.shape[-2:]
+    if causal:
+        z = z.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool, device=z.device).triu(1), float("-inf"))
+    if key_padding_mask is not None:
+        z = z.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    return torch.softmax(z, dim=-1).nan_to_num(0.0)
+
+
+class SelfAttention(torch.nn.Module):
+    """``residual + dropout(c_proj(attention(c_attn(x))))``.
+
+    Fused: q, k, v are views of ``c_attn``'s output (their gradients meet in one copy),
+    ``c_proj``'s GEMM runs without its bias and :func:`lstrain.ops.bias_dropout_residual`
+    adds the bias, drops and adds the residual in one kernel. Unfused: the same in plain
+    torch ops (``nn.Linear``, SDPA or a torch softmax, ``F.dropout``), with the same
+    parameter names and shapes. Both run SDPA when there is no ``attn_bias``. The GEMMs
+    without an activation to fuse are cuBLAS's (``F.linear``) in both.
+
+    Args:
+        dim: model width.
+        heads: attention heads; ``dim`` must be a multiple of it.
+        causal: each query sees only the keys at or before it (GPT-2).
+        attn_dropout: dropout of the attention probabilities, in training mode only.
+        resid_dropout: dropout of the output projection, in training mode only.
+        fused: lstrain's kernels, or plain torch ops.
+        device, dtype: of the parameters.
+
+    Raises:
+        ValueError: ``dim`` not a multiple of ``heads``, or a dropout outside [0, 1).
+
+    ``forward(x, residual, key_padding_mask=None, attn_bias=None)``: ``x`` ``[batch, seq,
+    dim]`` (the normalised input), ``residual`` shaped like it, ``key_padding_mask``
+    ``[batch, seq]`` bool (True = padding), ``attn_bias`` an additive float bias
+    broadcastable to ``[batch, heads, seq, seq]`` (it may require grad).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        causal: bool = True,
+        attn_dropout: float = 0.0,
+        resid_dropout: float = 0.0,
+        fused: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if heads <= 0 or dim % heads:
+            raise ValueError(f"SelfAttention: dim={dim} must be a multiple of heads={heads}")
+        for name, p in (("attn_dropout", attn_dropout), ("resid_dropout", resid_dropout)):
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"SelfAttention: {name} must be in [0, 1), got {p}")
+        self.heads = heads
+        self.causal = causal
+        self.attn_dropout = attn_dropout
+        self.resid_dropout = resid_dropout
+        self.fused = fused
+        self.c_attn = torch.nn.Linear(dim, 3 * dim, device=device, dtype=dtype)
+        self.c_proj = torch.nn.Linear(dim, dim, device=device, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = split_heads(self.c_attn(x), self.heads, self.fused)
+        p = self.attn_dropout if self.training else 0.0
+        if attn_bias is None:
+            mask = None if key_padding_mask is None else sdpa_mask(key_padding_mask, seq, self.causal, q.dtype)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None
+            )
+        else:
+            scores = q @ k.transpose(-1, -2)
+            scale = q.shape[-1] ** -0.5
+            if self.fused:
+                probs = attention_softmax(
+                    scores, scale=scale, key_padding_mask=key_padding_mask, mask=attn_bias, causal=self.causal
+                )
+            else:
+                probs = _masked_softmax(scores, scale, key_padding_mask, attn_bias, self.causal)
+            out = F.dropout(probs, p) @ v
+        # [batch, heads, seq, head_dim] -> [batch, seq, dim]; a view where SDPA wrote
+        # its output in [batch, seq, heads, head_dim] order (flash, memory-efficient)
+        out = out.transpose(1, 2).reshape(batch, seq, dim)
+        if self.fused:
+            y = F.linear(out, self.c_proj.weight)
+            return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training)
+        return residual + F.dropout(self.c_proj(out), self.resid_dropout, self.training)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, causal={self.causal}, attn_dropout={self.attn_dropout}, "
+            f"resid_dropout={self.resid_dropout}, fused={self.fused}"
+        )

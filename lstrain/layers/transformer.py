@@ -1,0 +1,82 @@
+"""A Transformer layer, pre-LN (GPT-2) or post-LN (BERT), fused or in plain torch ops."""
+
+from __future__ import annotations
+
+import torch
+
+import lstrain.nn
+from lstrain.layers.attention import SelfAttention
+from lstrain.layers.mlp import MLP
+
+__all__ = ["TransformerLayer"]
+
+
+class TransformerLayer(torch.nn.Module):
+    """Self-attention and an MLP, each with a residual connection and a LayerNorm.
+
+    Pre-LN (``norm_first=True``, GPT-2): ``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))``.
+    Post-LN (BERT): ``x = ln_1(x + attn(x)); x = ln_2(x + mlp(x))``. Parameter names are
+    GPT-2's (``ln_1``, ``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``,
+    ``mlp.c_proj``) in torch's Linear layout ([out, in]) whichever the order; ``fused``
+    changes the modules, not the names or shapes, so a state_dict moves between the two.
+
+    Fused: :class:`lstrain.nn.LayerNorm`, :class:`SelfAttention` and :class:`MLP` with
+    lstrain's kernels (bias + activation in the GEMM epilogue, bias + dropout + residual
+    in one kernel, masks regenerated from seeds). Unfused: ``nn.LayerNorm``, ``nn.Linear``,
+    ``F.gelu``, ``F.dropout`` and SDPA, as a careful PyTorch user would write them.
+
+    Args:
+        dim: model width.
+        heads: attention heads.
+        ffn_dim: the MLP's inner width (default 4 * dim).
+        norm_first: pre-LN (True) or post-LN (False).
+        causal: causal self-attention (GPT-2) or bidirectional (BERT).
+        activation: the MLP's, as :class:`MLP` names them.
+        attn_dropout: dropout of the attention probabilities.
+        resid_dropout: dropout of each sublayer's output before the residual add.
+        eps: the LayerNorms' epsilon.
+        fused: lstrain's kernels, or plain torch ops.
+        device, dtype: of the parameters.
+
+    Raises:
+        ValueError: see :class:`SelfAttention` and :class:`MLP`.
+
+    ``forward(x, key_padding_mask=None, attn_bias=None)``: ``x`` ``[batch, seq, dim]``;
+    the masks as for :class:`SelfAttention`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        ffn_dim: int | None = None,
+        norm_first: bool = True,
+        causal: bool = True,
+        activation: str = "gelu_tanh",
+        attn_dropout: float = 0.0,
+        resid_dropout: float = 0.0,
+        eps: float = 1e-5,
+        fused: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        norm = lstrain.nn.LayerNorm if fused else torch.nn.LayerNorm
+        factory = {"device": device, "dtype": dtype}
+        self.ln_1 = norm(dim, eps=eps, **factory)
+        self.attn = SelfAttention(dim, heads, causal, attn_dropout, resid_dropout, fused, **factory)
+        self.ln_2 = norm(dim, eps=eps, **factory)
+        self.mlp = MLP(dim, ffn_dim or 4 * dim, activation, resid_dropout, fused, **factory)
+
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.norm_first:
+            x = self.attn(self.ln_1(x), x, key_padding_mask, attn_bias)
+            return self.mlp(self.ln_2(x), x)
+        x = self.ln_1(self.attn(x, x, key_padding_mask, attn_bias))
+        return self.ln_2(self.mlp(x, x))
+
+    def extra_repr(self) -> str:
+        return f"norm_first={self.norm_first}"

@@ -1,0 +1,143 @@
+"""lstrain.layers: each fused module against its plain-torch twin, same weights."""
+
+import pytest
+import torch
+
+from lstrain._backend import record_backends
+from lstrain.layers import MLP, SelfAttention, TransformerLayer, sdpa_mask, split_heads
+from lstrain.testing import assert_all_passed, check_module
+from tests.conftest import DEVICE, EXPECTED_BACKEND
+
+
+class _Run(torch.nn.Module):
+    """A layer called with fixed masks (check_module passes tensors positionally); an
+    optional learned attention bias is a parameter of the wrapper, so it is checked too."""
+
+    def __init__(self, layer, key_padding_mask=None, bias_shape=None):
+        super().__init__()
+        self.layer = layer
+        self.key_padding_mask = key_padding_mask
+        self.attn_bias = None if bias_shape is None else torch.nn.Parameter(torch.randn(bias_shape, device=DEVICE))
+
+    def forward(self, x):
+        return self.layer(x, self.key_padding_mask, self.attn_bias)
+
+
+def _twins(**kwargs):
+    torch.manual_seed(0)
+    fused = TransformerLayer(fused=True, device=DEVICE, **kwargs)
+    plain = TransformerLayer(fused=False, device=DEVICE, **kwargs)
+    return fused, plain
+
+
+def _padding(batch, seq, left=False):
+    mask = torch.zeros(batch, seq, dtype=torch.bool, device=DEVICE)
+    mask[-1, :3] = left
+    mask[-1, -3:] = not left
+    return mask
+
+
+@pytest.mark.parametrize(
+    ("norm_first", "padding", "learned_bias"),
+    [
+        (True, None, False),  # GPT-2: causal SDPA
+        (True, "right", False),
+        (True, "left", False),  # fully masked query rows stay finite
+        (False, "right", False),  # BERT: post-LN, bidirectional
+        (True, "right", True),  # a learned bias: attention_softmax
+        (False, None, True),
+    ],
+)
+def test_fused_matches_unfused(norm_first, padding, learned_bias):
+    batch, seq, dim, heads = 2, 8, 32, 4
+    fused, plain = _twins(dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
+    mask = None if padding is None else _padding(batch, seq, left=padding == "left")
+    bias_shape = (1, heads, seq, seq) if learned_bias else None
+    ours, theirs = _Run(fused, mask, bias_shape), _Run(plain, mask, bias_shape)
+    x = torch.randn(batch, seq, dim, device=DEVICE)
+    with record_backends() as ran:
+        comparisons = check_module(ours, theirs, x, generator=torch.Generator().manual_seed(0))
+    ops = {op for op, _ in ran}
+    assert {"layer_norm", "gemm", "bias_dropout_residual"} <= ops
+    assert ("attention_softmax" in ops) == learned_bias
+    assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
+    assert_all_passed(comparisons)
+
+
+def test_state_dicts_move_between_twins():
+    fused, plain = _twins(dim=16, heads=2)
+    keys = {k: tuple(v.shape) for k, v in fused.state_dict().items()}
+    assert keys == {k: tuple(v.shape) for k, v in plain.state_dict().items()}
+    assert keys["attn.c_attn.weight"] == (48, 16)  # torch's Linear layout [out, in]
+    plain.load_state_dict(fused.state_dict())
+
+
+def test_split_heads_gives_views_and_one_gradient():
+    qkv = torch.randn(2, 5, 3 * 8, device=DEVICE, requires_grad=True)
+    fused = split_heads(qkv, heads=2)
+    plain = split_heads(qkv, heads=2, fused=False)
+    for a, b in zip(fused, plain, strict=True):
+        assert a.shape == (2, 2, 5, 4) and a.stride(-1) == 1
+        assert a.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # no copy
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dys = [torch.randn(2, 2, 5, 4, device=DEVICE) for _ in range(3)]
+    (ours,) = torch.autograd.grad(fused, qkv, dys)
+    (theirs,) = torch.autograd.grad(plain, qkv, dys)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    (only_v,) = torch.autograd.grad(split_heads(qkv, 2)[2], qkv, dys[2])  # q and k unused: zeros
+    assert only_v[..., :16].eq(0).all()
+    torch.testing.assert_close(only_v[..., 16:], theirs[..., 16:], rtol=0, atol=0)
+
+
+def test_sdpa_mask_is_finite_and_causal():
+    padding = torch.tensor([[False, False, True]], device=DEVICE)
+    mask = sdpa_mask(padding, 3, causal=True, dtype=torch.float16)
+    assert mask.shape == (1, 1, 3, 3) and torch.isfinite(mask).all()
+    attended = mask[0, 0] == 0
+    assert attended.tolist() == [[True, False, False], [True, True, False], [True, True, False]]
+    assert sdpa_mask(padding, 3, causal=False, dtype=torch.float32).shape == (1, 1, 1, 3)
+
+
+def test_dropout_is_finite_and_follows_the_seed():
+    layer = TransformerLayer(32, 4, attn_dropout=0.1, resid_dropout=0.1, device=DEVICE)
+    x = torch.randn(2, 8, 32, device=DEVICE)
+    outs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        outs.append(layer(x))
+    assert all(torch.isfinite(o).all() for o in outs)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert not torch.equal(outs[0], outs[2])
+    layer.eval()
+    torch.testing.assert_close(layer(x), layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: SelfAttention(30, 4), "dim=30 must be a multiple of heads=4"),
+        (lambda: SelfAttention(32, 4, attn_dropout=1.0), "attn_dropout must be in"),
+        (lambda: MLP(32, 128, activation="tanh"), "activation must be one of"),
+        (lambda: MLP(32, 128, dropout=-0.1), "dropout must be in"),
+    ],
+)
+def test_bad_arguments_are_named(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_split_heads_rejects_a_bad_width():
+    with pytest.raises(ValueError, match="split_heads: qkv must be"):
+        split_heads(torch.randn(2, 3, 20), heads=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_fused_matches_unfused_bf16_on_the_gpu(norm_first):
+    batch, seq, dim, heads = 4, 256, 512, 8
+    fused, plain = _twins(dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
+    fused, plain = fused.bfloat16(), plain.bfloat16()
+    mask = _padding(batch, seq)
+    x = torch.randn(batch, seq, dim, device="cuda", dtype=torch.bfloat16)
+    comparisons = check_module(_Run(fused, mask), _Run(plain, mask), x, generator=torch.Generator().manual_seed(0))
+    assert_all_passed(comparisons)
