@@ -142,7 +142,10 @@ class FusedAdamW(FlatOptimizer):
         super().__init__(params, defaults, max_grad_norm)
 
     def _hyper_of(self, group: dict) -> tuple[float, ...]:
-        beta1, beta2 = group["betas"]
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"FusedAdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+        beta1, beta2 = betas
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(group["decoupled_weight_decay"]))
 
     def _check_group(self, group: dict) -> None:

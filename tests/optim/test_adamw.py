@@ -154,6 +154,8 @@ def test_lr_changes_from_a_scheduler_take_effect():
         (dict(lr=-1.0), "lr must be >= 0"),
         (dict(betas=(0.9, 1.0)), "betas\\[1\\] must be in \\[0, 1\\)"),
         (dict(betas=(-0.1, 0.9)), "betas\\[0\\]"),
+        (dict(betas=(0.9, 0.99, 0.999)), "betas must be a pair"),
+        (dict(betas=0.9), "betas must be a pair"),
         (dict(eps=-1e-8), "eps must be >= 0"),
         (dict(weight_decay=-0.1), "weight_decay must be >= 0"),
         (dict(max_grad_norm=0.0), "max_grad_norm must be > 0"),
