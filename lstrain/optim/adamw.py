@@ -141,16 +141,20 @@ class FusedAdamW(FlatOptimizer):
         }
         super().__init__(params, defaults, max_grad_norm)
 
-    def _hyper_of(self, group: dict) -> tuple[float, ...]:
+    @staticmethod
+    def _betas(group: dict) -> tuple[float, float]:
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"FusedAdamW: betas must be a pair (beta1, beta2), got {betas!r}")
-        beta1, beta2 = betas
+        return betas[0], betas[1]
+
+    def _hyper_of(self, group: dict) -> tuple[float, ...]:
+        beta1, beta2 = self._betas(group)
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(group["decoupled_weight_decay"]))
 
     def _check_group(self, group: dict) -> None:
         self._check_unsupported(group)
-        lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr, (beta1, beta2), eps, weight_decay = group["lr"], self._betas(group), group["eps"], group["weight_decay"]
         if not 0 <= lr < math.inf:
             raise ValueError(f"FusedAdamW: lr must be >= 0 and finite, got {lr}")
         for name, beta in (("betas[0]", beta1), ("betas[1]", beta2)):
