@@ -14,10 +14,10 @@ report relates every row to. Then for every case and implementation, on one GPU:
   * time per ordinary call (``y = f(...); y.backward(dy)``, grads reset to None) under do_bench;
   * host microseconds per ordinary call, two ways: the median over 200 calls of one
     call's wall time, each started on an idle GPU (what the call itself costs the CPU),
-    and ANCHORS.md's perf_counter over 200 back-to-back calls, no sync inside (which
+    and perf_counter over 200 back-to-back calls, no sync inside (which
     turns into GPU time once the launch queue fills, i.e. whenever the GPU is the slower);
   * peak memory during one call above the inputs (+MiB), and above the inputs and the
-    gradients the call leaves behind (+MiB transient: what ANCHORS.md reports);
+    gradients the call leaves behind (+MiB transient: what competitors' reports quote);
   * GB/s on the minimal-bytes model and % of the device copy bandwidth measured here
     (from the per-call time where an implementation cannot be captured), and TFLOP/s
     for GEMM-bound cases.
