@@ -3,6 +3,7 @@
     python -m benchmarks.report                                  # bench-out/results.json -> BENCHMARKS.md
     python -m benchmarks.report RESULTS.json --out FILE
     python -m benchmarks.report --compare BEFORE.json AFTER.json [--threshold 0.03]
+    python -m benchmarks.report RESULTS.json --e2e E2E.json [--e2e E2E-2.json]  # + whole training steps
 
 The report is a pure function of the JSON (no clock, no device, no path in it), so the
 same run always gives the same file: BENCHMARKS.md is regenerated, never edited. It
@@ -10,8 +11,11 @@ holds the run's device, versions, date, command, the copy bandwidth and bf16 GEM
 measured in that run, a summary of the targets, and one table per op: every
 implementation's GPU time, % of the copy bandwidth (TFLOP/s and % of the GEMM rate where
 the case counts flops), memory, the target and its verdict, and lstrain's ratio against
-the fastest competitor. The report must fit in ``MAX_LINES`` lines; ``main`` refuses to
-write a longer one.
+the fastest competitor. With ``--e2e`` (the e2e.json of ``python -m benchmarks.e2e``, one
+per run) an "End-to-end training steps" section comes first: per workload every variant's
+tokens/s, ms per step, MFU, peak memory, first-step time and loss, lstrain's fastest variant
+judged against the workload's targets. The report must fit in ``MAX_LINES`` lines; ``main``
+refuses to write a longer one.
 
 ``--compare`` prints, for every lstrain implementation of every case present in either
 run, the GPU time before and after and their ratio, flagging ratios beyond the noise
@@ -326,23 +330,226 @@ def _summary(judged: list[tuple[Case, list[Verdict]]]) -> list[str]:
     return lines
 
 
-def render(data: dict | list) -> str:
+# ----------------------------------------------------------------------------- end-to-end training steps
+
+
+def parse_e2e(data: dict) -> tuple[dict, list[dict]]:
+    """Split ``benchmarks.e2e``'s JSON into its metadata and its rows.
+
+    Args:
+        data: the decoded e2e.json: ``{"format": 1, "meta": {...}, "rows": [...]}``.
+
+    Returns:
+        ``(meta, rows)``.
+
+    Raises:
+        ValueError: if ``data`` is not that layout.
+    """
+    if isinstance(data, dict) and isinstance(data.get("meta"), dict) and isinstance(data.get("rows"), list):
+        return data["meta"], data["rows"]
+    raise ValueError(f"not benchmarks.e2e's JSON: expected a dict with 'meta' and 'rows', got {data!r:.80}")
+
+
+def _measured(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") == "ok" and _num(r.get("tokens_per_s"))]
+
+
+def _fastest(rows: list[dict]) -> dict | None:
+    return max(rows, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def _short_by(value: float, limit: float) -> str:
+    return f"missed by {100 * (1 - value / limit):.1f}%"
+
+
+def e2e_verdicts(workload: dict, rows: list[dict]) -> tuple[dict | None, list[Verdict]]:
+    """Judge one workload's targets on lstrain's fastest variant.
+
+    A tokens/s target is met when that variant's tokens/s is at least the target; a speedup
+    target when its tokens/s over the fastest competitor's is at least the ratio; a memory
+    target when its peak memory is at most the named variant's.
+
+    Args:
+        workload: the workload's entry in the run's ``meta["workloads"]`` (its targets:
+            ``target_tokens_per_s``, ``target_speedup``, ``target_peak_vs``, each may be None).
+        rows: the workload's rows.
+
+    Returns:
+        ``(judged, verdicts)``: lstrain's fastest measured row (None if none ran) and one
+        verdict per target the workload has, in the order tokens/s, speedup, memory.
+    """
+    measured = _measured(rows)
+    best = _fastest([r for r in measured if is_ours(r["variant"])])
+    rival = _fastest([r for r in measured if not is_ours(r["variant"])])
+    none_ran = "not judged: no lstrain variant ran"
+    out = []
+    target = _num(workload.get("target_tokens_per_s"))
+    if target is not None:
+        label = f">= {target / 1e3:g}k tokens/s"
+        if best is None:
+            out.append(Verdict(label, None, none_ran))
+        else:
+            speed = best["tokens_per_s"]
+            out.append(Verdict(label, speed >= target, _short_by(speed, target), f"{speed / 1e3:.1f}k"))
+    ratio = _num(workload.get("target_speedup"))
+    if ratio is not None:
+        label = f">= {ratio:g}x the best competitor"
+        if best is None or rival is None:
+            out.append(Verdict(label, None, none_ran if best is None else "not judged: no competitor ran"))
+        else:
+            speedup = best["tokens_per_s"] / rival["tokens_per_s"]
+            measured_text = f"{speedup:.2f}x {rival['variant']}"
+            out.append(Verdict(label, speedup >= ratio, _short_by(speedup, ratio), measured_text))
+    other_name = workload.get("target_peak_vs")
+    if other_name:
+        label = f"peak memory <= {other_name}'s"
+        other = next((r for r in measured if r["variant"] == other_name), None)
+        other_peak = _num(other.get("peak_gib")) if other else None
+        peak = _num(best.get("peak_gib")) if best else None
+        if best is None:
+            out.append(Verdict(label, None, none_ran))
+        elif other_peak is None:
+            out.append(Verdict(label, None, f"not judged: no {other_name} peak in this run"))
+        elif peak is None:
+            out.append(Verdict(label, None, "not measured"))
+        else:
+            measured_text = f"{peak:.2f} vs {other_peak:.2f} GiB"
+            out.append(Verdict(label, peak <= other_peak, _missed_by(peak, other_peak), measured_text))
+    return best, out
+
+
+def _cell(text: str, limit: int = 200) -> str:
+    """Free text (an error message) made safe for a Markdown table cell."""
+    text = " ".join(str(text).split())
+    return (text[: limit - 3] + "..." if len(text) > limit else text).replace("|", "\\|")
+
+
+def _loss(row: dict) -> str:
+    loss = row.get("final_loss")
+    if loss is None:
+        return ""
+    text = f"{loss:.3f}" if math.isfinite(loss) else str(loss)
+    return text if row.get("loss_ok", True) else f"{text} (not sane)"
+
+
+def _e2e_table(rows: list[dict], judged: dict | None) -> list[str]:
+    """One workload's table: a row per variant, lstrain's judged one in bold."""
+    rival = _fastest([r for r in _measured(rows) if not is_ours(r["variant"])])
+    columns = ["variant", "setup", "tokens/s", "ms/step", "MFU", "peak GiB", "first step s", "final loss",
+               "vs best competitor"]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    measured = {id(r) for r in _measured(rows)}
+    for r in rows:
+        bold = r is judged
+        name = f"**{r['variant']}**" if bold else r["variant"]
+        setup = _cell("; ".join(x for x in (r.get("setup"), r.get("precision")) if x))
+        if id(r) not in measured:
+            status = r.get("status", "?")
+            why = r.get("reason") if status == "skipped" else r.get("error")
+            lines.append("| " + " | ".join([name, setup, _cell(f"{status}: {why or ''}"), *[""] * 6]) + " |")
+            continue
+        speed = f"{r['tokens_per_s'] / 1e3:.1f}k"
+        mfu = _num(r.get("mfu"))
+        versus = ""
+        if is_ours(r["variant"]) and rival is not None:
+            versus = f"{r['tokens_per_s'] / rival['tokens_per_s']:.2f}x vs {rival['variant']}"
+        cells = [
+            name,
+            setup,
+            f"**{speed}**" if bold else speed,
+            _fmt(r.get("ms_per_step"), ".2f"),
+            "" if mfu is None else f"{100 * mfu:.1f}%",
+            _fmt(r.get("peak_gib"), ".2f"),
+            _fmt(r.get("compile_s"), ".1f"),
+            _loss(r),
+            versus,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _e2e_run_line(meta: dict) -> str:
+    when = meta.get("date", "?") + (f", commit `{meta['commit']}`" if meta.get("commit") else "")
+    versions = ", ".join(
+        f"{name} {meta[key] or 'not installed'}"
+        for name, key in (("torch", "torch"), ("triton", "triton"), ("transformers", "transformers"),
+                          ("Liger-Kernel", "liger"))
+        if key in meta
+    )  # fmt: skip
+    wall = f" ({meta['wall_s']:.0f} s of wall time)" if _num(meta.get("wall_s")) else ""
+    gemm = _num(meta.get("gemm_tflops"))
+    rate = f"; bf16 GEMM rate **{gemm:.0f} TFLOP/s** ({meta.get('gemm_shape', 'torch.matmul')})" if gemm else ""
+    return f"- Run: {meta.get('device', '?')}, {when}; {versions}; `{meta.get('command', '?')}`{wall}{rate}"
+
+
+def render_e2e(runs: list[dict]) -> list[str]:
+    """The "End-to-end training steps" section: per run its device, versions and GEMM rate,
+    per workload a table of its variants and the verdicts of its targets.
+
+    Args:
+        runs: decoded e2e.json files (one per ``python -m benchmarks.e2e`` run).
+
+    Returns:
+        The section's lines.
+
+    Raises:
+        ValueError: if one of them is not benchmarks.e2e's JSON.
+    """
+    lines = [
+        "## End-to-end training steps (`python -m benchmarks.e2e`)",
+        "",
+        "Whole steps (forward, backward, clip at norm 1.0, AdamW), each variant in its own process, side by",
+        "side in one run. *ms/step*: the median over the timed steps (CUDA events between steps, after the",
+        "warm-up); *tokens/s* from it. *MFU*: 6N + 12LTD FLOPs per token (N: non-embedding parameters plus the",
+        "LM head) times tokens/s over the bf16 GEMM rate of the same run. *peak GiB*: max_memory_allocated from",
+        "model and optimizer construction on (warm-up and capture included). *first step s*: its wall time",
+        "(torch.compile, Triton's JIT, the graph capture), not in ms/step. A sane loss is near ln V (random",
+        "tokens). The targets judge lstrain's fastest variant, in bold.",
+    ]
+    for data in runs:
+        meta, rows = parse_e2e(data)
+        lines += ["", _e2e_run_line(meta)]
+        workloads = dict(meta.get("workloads") or {})
+        for row in rows:
+            workloads.setdefault(row.get("workload", "?"), {})
+        for name, workload in workloads.items():
+            rows_of = [r for r in rows if r.get("workload") == name]
+            if not rows_of:
+                continue
+            judged, verdicts_of = e2e_verdicts(workload, rows_of)
+            facts = [f"`--workload {name}`"]
+            if workload.get("steps"):
+                facts.append(f"{workload.get('warmup')} warm-up + {workload['steps']} timed steps")
+            if _num(workload.get("flops_per_token")):
+                facts.append(f"{workload['flops_per_token'] / 1e9:.2f} GFLOP per token")
+            lines += ["", f"**{workload.get('title', name)}** ({', '.join(facts)})", "", *_e2e_table(rows_of, judged)]
+            if verdicts_of:
+                on = f"on {judged['variant']}" if judged else "on lstrain's fastest variant"
+                lines += ["", f"Targets ({on}): " + "; ".join(v.text() for v in verdicts_of)]
+    return lines
+
+
+def render(data: dict | list, e2e: list[dict] | None = None) -> str:
     """BENCHMARKS.md for one run.
 
     Args:
         data: the runner's decoded JSON (any layout ``parse`` reads).
+        e2e: decoded e2e.json files of ``python -m benchmarks.e2e``; their section comes
+            right after the header (whole steps are what judge the toolkit).
 
     Returns:
         The Markdown text, ending in a newline.
 
     Raises:
-        ValueError: if ``data`` is not the runner's JSON.
+        ValueError: if ``data`` is not the runner's JSON, or an ``e2e`` entry not e2e.json's.
     """
     meta, rows = parse(data)
     ops = group(rows)
     judged = [(c, verdicts(c)) for cases in ops.values() for c in cases]
     judged = [(c, vs) for c, vs in judged if vs]
     lines = _header(meta, judged)
+    if e2e:
+        lines += ["", *render_e2e(e2e)]
     if judged:
         lines += ["", *_summary(judged)]
     titles = meta.get("titles") or {}
@@ -436,19 +643,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--threshold", type=float, default=NOISE, help="--compare's noise threshold (default 0.03)")
+    parser.add_argument("--e2e", action="append", type=Path, default=[], metavar="E2E_JSON",
+                        help="benchmarks.e2e's e2e.json: the end-to-end section (repeatable: one per run)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.compare:
         before, after = (json.loads(path.read_text()) for path in args.compare)
         text, _ = compare(before, after, args.threshold)
         print(text, end="")
         return 0
-    text = render(json.loads(args.results.read_text()))
+    text = render(json.loads(args.results.read_text()), [json.loads(path.read_text()) for path in args.e2e])
     lines = text.count("\n")
     if lines > MAX_LINES:
         print(f"the report has {lines} lines, more than {MAX_LINES}: not written to {args.out}", file=sys.stderr)
         return 1
     args.out.write_text(text)
-    print(f"{args.out}: {lines} lines from {args.results}")
+    sources = ", ".join(str(path) for path in [args.results, *args.e2e])
+    print(f"{args.out}: {lines} lines from {sources}")
     return 0
 
 
