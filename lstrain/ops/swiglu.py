@@ -527,13 +527,19 @@ def swiglu_bwd_new_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor)
     return torch.empty_like(h)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[tokens, t.shape[-1]]``, strides kept where a view can; ``reshape(-1, 0)``
+    cannot count the tokens of a zero-width tensor."""
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd for :func:`swiglu_mlp`. Saves x, the weights, h and a; outside
     torch.compile dh is written over h unless the graph is retained for another backward."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _rows(x)
         a, h = swiglu_fwd_op(x2d, w_gate_up)
         y = a @ w_down
         ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
@@ -544,7 +550,7 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         refuse_create_graph("swiglu_mlp")
         x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        dy2d = _rows(dy)
         dw_down = a.t() @ dy2d if ctx.needs_input_grad[2] else None
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, dw_down
@@ -573,7 +579,10 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """
     d, f = w_gate.shape
     whole = f - f % PAIR_BLOCK
-    blocks = torch.stack((w_gate[:, :whole].reshape(d, -1, PAIR_BLOCK), w_up[:, :whole].reshape(d, -1, PAIR_BLOCK)), 2)
+    pairs = whole // PAIR_BLOCK  # not -1 in the reshapes: ambiguous when D = 0
+    blocks = torch.stack(
+        (w_gate[:, :whole].reshape(d, pairs, PAIR_BLOCK), w_up[:, :whole].reshape(d, pairs, PAIR_BLOCK)), 2
+    )
     return torch.cat((blocks.reshape(d, 2 * whole), w_gate[:, whole:], w_up[:, whole:]), dim=1)
 
 
@@ -588,7 +597,7 @@ def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     d, f = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     whole = f - f % PAIR_BLOCK
-    blocks = w_gate_up[:, : 2 * whole].reshape(d, -1, 2, PAIR_BLOCK)
+    blocks = w_gate_up[:, : 2 * whole].reshape(d, whole // PAIR_BLOCK, 2, PAIR_BLOCK)  # not -1: D may be 0
     tail = w_gate_up[:, 2 * whole :]
     gate = torch.cat((blocks[:, :, 0].reshape(d, whole), tail[:, : f - whole]), dim=1)
     up = torch.cat((blocks[:, :, 1].reshape(d, whole), tail[:, f - whole :]), dim=1)
@@ -611,11 +620,13 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
         ``[*, D_out]`` in x's dtype.
 
     Raises:
-        ValueError: mismatched shapes, dtypes or devices.
+        ValueError: a 0-d x, or mismatched shapes, dtypes or devices.
         RuntimeError: (from backward) ``create_graph=True``: second derivatives are not
             supported.
     """
     x, w_gate_up, w_down = autocast_inputs(x, w_gate_up, w_down)
+    if x.dim() == 0:
+        raise ValueError("swiglu_mlp: x must be [*, D] (at least one dim), got a 0-d tensor")
     if x.dtype not in _SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(
             f"swiglu_mlp: x, w_gate_up and w_down must share a float dtype, got {x.dtype}, {w_gate_up.dtype}, "
@@ -637,7 +648,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     if differentiated(x, w_gate_up, w_down):
         return SwiGLUFunction.apply(x, w_gate_up, w_down)
     # inference: h, which only backward reads, is not even written
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = _rows(x)
     a = swiglu_fwd_activation_op(x2d, w_gate_up)
     return (a @ w_down).view(*x.shape[:-1], w_down.shape[1])
 

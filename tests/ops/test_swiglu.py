@@ -268,3 +268,28 @@ def test_large_tiles_whole_pair_blocks_and_a_partial_one(device, tokens, dim, un
         for name, ours, precise, torch_fp32 in zip(("y", "grad x"), (y, dx), *results, strict=True)
     ]
     assert_all_passed(comparisons)
+
+
+@pytest.mark.parametrize("dim, intermediate, dim_out", [(0, 300, 8), (8, 6, 0), (8, 0, 8)])
+def test_zero_width_dims_as_torch(device, dim, intermediate, dim_out):
+    """D, F or D_out of 0 give the familiar MLP's (zero or empty) values and gradients,
+    not a reshape error (``reshape(-1, 0)`` cannot count the tokens)."""
+    gate, up = torch.randn(dim, intermediate, device=device), torch.randn(dim, intermediate, device=device)
+    inputs = [
+        torch.randn(2, 3, dim, device=device),
+        pack_gate_up(gate, up),
+        torch.randn(intermediate, dim_out, device=device),
+    ]
+    assert torch.equal(unpack_gate_up(inputs[1])[0], gate)
+    inputs = [t.requires_grad_() for t in inputs]
+    y = swiglu_mlp(*inputs)
+    grads = torch.autograd.grad(y, inputs, torch.ones_like(y))
+    y_ref = swiglu_mlp_ref(*inputs)
+    torch.testing.assert_close(y, y_ref)
+    for grad, grad_ref in zip(grads, torch.autograd.grad(y_ref, inputs, torch.ones_like(y_ref)), strict=True):
+        torch.testing.assert_close(grad, grad_ref)
+
+
+def test_a_0_d_x_is_refused(device):
+    with pytest.raises(ValueError, match="x must be \\[\\*, D\\] .*0-d"):
+        swiglu_mlp(torch.tensor(1.0, device=device), torch.randn(1, 2, device=device), torch.randn(1, 1, device=device))
