@@ -81,3 +81,22 @@ def test_linear_cross_entropy_with_fp32_weight(bias):
 def test_outside_autocast_nothing_is_cast():
     a = torch.randn(4, 4, device=DEVICE)
     assert ops.gemm(a, a).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda a, b: ops.gemm(a, b), "gemm: b is on cpu but a is on meta"),
+        (lambda a, b: lnn.Linear(16, 4)(a), "gemm: bias is on cpu but a is on meta"),
+        (lambda a, b: ops.swiglu_mlp(a, b, torch.randn(2, 16)), "swiglu_mlp: w_gate_up is on cpu but x is on meta"),
+        (
+            lambda a, b: ops.linear_cross_entropy(a, b.t(), torch.zeros(8, dtype=torch.long)),
+            "linear_cross_entropy: weight is on cpu but hidden is on meta",
+        ),
+    ],
+)
+def test_a_first_input_on_a_device_autocast_does_not_know_is_a_device_error(call, match):
+    """A meta tensor first (autocast has no meta dispatch key) gets the op's device error,
+    not torch's 'unknown device type for autocast'."""
+    with pytest.raises(ValueError, match=match):
+        call(torch.randn(8, 16, device="meta"), torch.randn(16, 4))

@@ -21,10 +21,13 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
 
     Returns:
         The same tensors, floating-point ones in ``torch.get_autocast_dtype(device)`` when
-        ``torch.is_autocast_enabled(device)``, else unchanged.
+        ``torch.is_autocast_enabled(device)``, else unchanged (as on a device autocast does
+        not support, such as meta).
     """
     device_type = next(t.device.type for t in tensors if t is not None)
-    if not torch.is_autocast_enabled(device_type):
+    # a device autocast does not know (meta) makes is_autocast_enabled raise; the op's
+    # own checks then name a tensor on the wrong device
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
