@@ -22,6 +22,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         chunk_bytes: memory for one chunk's logits (default 512 MiB).
         fp32_weight_grad: how the chunks' weight gradients are summed (see
             :func:`lstrain.ops.linear_cross_entropy`; None chooses by memory).
+
+    Raises:
+        ValueError: in forward, a ``target`` not shaped like ``hidden``'s leading dims (a
+            0-d ``hidden`` included), or any error of :func:`lstrain.ops.linear_cross_entropy`.
     """
 
     def __init__(
@@ -49,8 +53,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         target: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if hidden.dim() == 0 or tuple(target.shape) != tuple(hidden.shape[:-1]):
+            # flattening alone would pair a [seq, batch] target with [batch, seq] hidden states
+            raise ValueError(
+                f"LinearCrossEntropyLoss: target has shape {tuple(target.shape)}, expected hidden's leading shape "
+                f"{tuple(hidden.shape[:-1]) if hidden.dim() else '(hidden is 0-d: it needs a D dim)'}"
+            )
         loss = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),
+            hidden.reshape(target.numel(), hidden.shape[-1]),  # not -1: ambiguous for D = 0
             weight,
             target.reshape(-1),
             bias,

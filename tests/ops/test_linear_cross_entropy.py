@@ -248,3 +248,26 @@ def test_no_gradients_under_no_grad(device, monkeypatch):
     assert not built
     torch.testing.assert_close(loss, linear_cross_entropy(hidden, weight, target).detach())
     assert built  # with grad enabled the forward does fold the weight's gradient in
+
+
+def test_module_refuses_a_target_not_shaped_like_hidden(device):
+    """A [seq, batch] target with [batch, seq, D] hidden has as many tokens; flattening both
+    would pair the wrong ones, where torch's loss refuses the mismatch."""
+    criterion = lstrain.nn.LinearCrossEntropyLoss()
+    weight = torch.randn(11, 8, device=device)
+    with pytest.raises(ValueError, match=r"target has shape \(3, 2\), expected hidden's leading shape \(2, 3\)"):
+        criterion(torch.randn(2, 3, 8, device=device), weight, torch.zeros(3, 2, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="hidden is 0-d"):
+        criterion(torch.tensor(1.0, device=device), weight, torch.tensor(0, device=device))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_module_with_zero_width_hidden(device, reduction):
+    """D = 0: every logit is 0 (log V per token, as torch's loss of zero logits), not a
+    reshape(-1, 0) failure."""
+    target = torch.randint(0, 11, (2, 3), device=device)
+    loss = lstrain.nn.LinearCrossEntropyLoss(reduction=reduction)(
+        torch.randn(2, 3, 0, device=device), torch.randn(11, 0, device=device), target
+    )
+    expected = F.cross_entropy(torch.zeros(2, 11, 3, device=device), target, reduction=reduction)
+    torch.testing.assert_close(loss, expected)
