@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lstrain.ops.cross_entropy import cross_entropy
@@ -59,7 +61,10 @@ class CrossEntropyLoss(torch.nn.Module):
                 f"CrossEntropyLoss: target has shape {tuple(target.shape)}; for input {tuple(input.shape)} "
                 f"(classes in dim {0 if input.dim() == 1 else 1}) it must be {expected}"
             )
-        logits = input.movedim(1, -1).reshape(-1, classes) if input.dim() > 2 else input.view(-1, classes)
+        # the token count, not -1: reshape(-1, 0) cannot infer it when there are no classes
+        # (which the op then refuses); reshape, not view: a transposed [N, C] has no view
+        tokens = math.prod(expected)
+        logits = input.movedim(1, -1).reshape(tokens, classes) if input.dim() > 2 else input.reshape(tokens, classes)
         loss = cross_entropy(
             logits,
             target.reshape(-1),

@@ -50,7 +50,7 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"Linear: x must end in in_features={self.in_features}, got shape {tuple(x.shape)}")
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(x.shape[:-1].numel(), self.in_features)  # not -1: ambiguous for in_features = 0
         y = gemm(rows, self.weight.t(), bias=self.bias, activation=self.activation)
         return y.reshape(*x.shape[:-1], self.out_features)
 

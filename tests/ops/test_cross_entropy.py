@@ -389,6 +389,14 @@ def test_module_refuses_what_torch_refuses(device):
         criterion(torch.tensor(1.0, device=device), torch.tensor(0, device=device))
 
 
+@pytest.mark.parametrize("shape", [(4, 0), (4, 0, 3)])
+def test_module_with_no_classes_gets_the_ops_error(device, shape):
+    """C = 0 is the op's clear error, not a reshape(-1, 0) failure (torch refuses it too)."""
+    target = torch.zeros((shape[0], *shape[2:]), dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="no classes"):
+        lstrain.nn.CrossEntropyLoss()(torch.randn(shape, device=device), target)
+
+
 def test_torch_compile_fullgraph(device):
     w = torch.randn(16, 50, device=device, requires_grad=True)
 

@@ -410,3 +410,12 @@ def test_linear_module_errors():
         lstrain.nn.Linear(4, 4, activation="tanh")
     with pytest.raises(ValueError, match="in_features=4"):
         lstrain.nn.Linear(4, 4)(torch.randn(2, 6))  # 12 values: a reshape to [3, 4] would pass
+
+
+def test_linear_module_with_no_in_features_as_torch(device):
+    """in_features = 0: the output is the bias, as torch.nn.Linear's, not a reshape(-1, 0) failure."""
+    ours = lstrain.nn.Linear(0, 5, device=device)
+    theirs = torch.nn.Linear(0, 5, device=device)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 0, device=device)
+    torch.testing.assert_close(ours(x), theirs(x))
