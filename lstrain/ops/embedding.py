@@ -693,14 +693,20 @@ def embedding(
         ``[*tokens.shape, D]`` in weight's dtype.
 
     Raises:
-        ValueError: non-integer ids or positions (int64 / int32 only), 2**31 or more ids,
+        ValueError: non-integer ids or positions (int64 / int32 only), 0-d tokens, 2**31 or more ids,
             mismatched tables, devices or positions, a padding_idx that is no integer in
             [-V, V), a dropout outside [0, 1), a scale that is not finite, a ``seed``
             that is not a 1-element int64 tensor on weight's device, or (when checked) an
             id or position out of range.
     """
-    if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() == 0:
-        raise ValueError(f"embedding: tokens must be int64 or int32 ids with at least one dim, got {tokens.dtype}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"embedding: tokens must be int64 or int32 ids, got {tokens.dtype}; convert with tokens.long()"
+        )
+    if tokens.dim() == 0:
+        raise ValueError(
+            "embedding: tokens must have at least one dim (the sequence), got a 0-d tensor; pass tokens[None]"
+        )
     if tokens.numel() >= 2**31:
         raise ValueError(f"embedding: at most 2**31 - 1 tokens per call (their counts are int32), got {tokens.numel()}")
     if weight.dim() != 2 or weight.dtype not in _SUPPORTED_DTYPES:
@@ -712,7 +718,9 @@ def embedding(
     if positions is not None and (pos_weight is None or positions.shape != tokens.shape):
         raise ValueError("embedding: positions need pos_weight and must be shaped like tokens")
     if positions is not None and positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"embedding: positions must be int64 or int32 ids, got {positions.dtype}")
+        raise ValueError(
+            f"embedding: positions must be int64 or int32 ids, got {positions.dtype}; convert with positions.long()"
+        )
     for name, t in (("tokens", tokens), ("pos_weight", pos_weight), ("positions", positions)):
         if t is not None and t.device != weight.device:
             raise ValueError(f"embedding: {name} is on {t.device} but weight is on {weight.device}")

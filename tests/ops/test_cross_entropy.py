@@ -226,6 +226,7 @@ def test_nan_in_gives_nan_out(device):
         (dict(logits=torch.randint(0, 3, (2, 5))), "logits has dtype"),
         (dict(target=torch.tensor([0, 1, 2])), "target has shape"),
         (dict(target=torch.tensor([0.0, 1.0])), "target must be int64"),
+        (dict(target=torch.tensor([0, 1], dtype=torch.uint8)), "got torch.uint8; convert with target.long\\(\\)"),
         (dict(target=torch.tensor([0, 5])), "target 5 at \\(1,\\) is outside \\[0, 5\\)"),
         (dict(target=torch.tensor([-3, 0])), "target -3"),
         (dict(label_smoothing=1.5), "label_smoothing must be in \\[0, 1\\], got 1.5"),

@@ -176,6 +176,8 @@ def test_unchecked_bad_ids_give_nan_rows(device):
         (dict(tokens=torch.tensor([[0, 7]])), "token id 7 at \\(0, 1\\) is outside \\[0, 5\\)"),
         (dict(tokens=torch.tensor([[0, -1]])), "token id -1"),
         (dict(tokens=torch.tensor([[0.0, 1.0]])), "tokens must be int64 or int32"),
+        (dict(tokens=torch.tensor([[0, 1]], dtype=torch.uint8)), "got torch.uint8; convert with tokens.long\\(\\)"),
+        (dict(tokens=torch.tensor(1)), "tokens must have at least one dim .*got a 0-d tensor"),
         (dict(weight=torch.randn(5)), "weight must be a \\[V, D\\] float table"),
         (dict(pos_weight=torch.randn(4, 2)), "pos_weight must be"),
         (dict(pos_weight=torch.randn(1, 3)), "seq_len 2 exceeds max_positions 1"),

@@ -323,7 +323,9 @@ def check_loss_options(
         ``(label_smoothing, ignore_index, z_loss)`` as the Python numbers the kernels take.
     """
     if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{op}: target must be int64 or int32 class indices, got {target.dtype}")
+        raise ValueError(
+            f"{op}: target must be int64 or int32 class indices, got {target.dtype}; convert with target.long()"
+        )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     return (
