@@ -41,10 +41,11 @@ times tokens/s over the bf16 GEMM rate measured by the parent in the same run (a
 (torch.compile, Triton's JIT, the CUDA-graph capture), apart from the step time; the first and
 final losses (sane: finite and within 1 of ln V, uniform random tokens being unlearnable).
 
-Wall time on one H200 (estimated, not measured): about 4 minutes per GPT-2 workload, most of
-it process start-up, model construction and compilation (torch.compile ~40-70 s per compiled
-variant; lstrain's Triton kernels once per cold cache); the steps themselves take seconds.
-Each workload fits one 10-minute command even when a variant runs into the timeout.
+Wall time on one H200 (estimated, not measured): 4-6 minutes per GPT-2 workload, nearly all of
+it process start-up, model construction and compilation (torch.compile 40-90 s for each of the
+three compiled variants, lstrain's Triton kernels once per cold cache); the 30 steps of a
+variant take seconds. A workload per command fits 10 minutes even with one variant running
+into the timeout (``--timeout``, 240 s); both workloads in one command take 8-12 minutes.
 
 ``--profile VARIANT`` runs that variant alone and writes torch.profiler's tables of one more
 step after the timed ones to ``<out>/profile-<workload>-<variant>.txt``: the top 25 kernels by
@@ -194,7 +195,7 @@ WORKLOADS = {
         Workload(
             "tiny", "tiny GPT-2 (2 x 64, 4 heads, V 1000), batch 2 x 32, dropout 0.1, fp32 (a harness check)",
             "small", n_layer=2, n_embd=64, n_head=4, vocab_size=1000, seq=32, batch=2, dropout=0.1,
-            bf16=False, warmup=2, steps=3,
+            bf16=False, warmup=1, steps=2,
         ),
     )
 }  # fmt: skip
@@ -478,13 +479,15 @@ def make_batches(workload: Workload, count: int, device: torch.device) -> list[t
         device: where they live (made on the CPU, then moved: the same tokens everywhere).
 
     Returns:
-        ``(input_ids, labels)`` pairs, ``[batch, seq]`` int64; the labels are the inputs
-        (the model shifts them, as Hugging Face's do).
+        ``(input_ids, labels)`` pairs, ``[batch, seq]`` int64; the labels are a copy of
+        the inputs (the model shifts them, as Hugging Face's do).
     """
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, workload.vocab_size, (count, workload.batch, workload.seq), generator=generator)
     tokens = tokens.to(device)
-    return [(t, t) for t in tokens.unbind(0)]
+    # labels a tensor of their own: an input aliasing another would be a guard (and a
+    # special case) for torch.compile that no real data loader produces
+    return [(t, t.clone()) for t in tokens.unbind(0)]
 
 
 def measure(step: StepFn, batches: list, warmup: int, steps: int, device: torch.device) -> dict:

@@ -354,6 +354,11 @@ def _measured(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok" and _num(r.get("tokens_per_s"))]
 
 
+def _judgeable(rows: list[dict]) -> list[dict]:
+    """Measured rows whose loss is sane: a fast step that computes NaN judges nothing."""
+    return [r for r in _measured(rows) if r.get("loss_ok", True)]
+
+
 def _fastest(rows: list[dict]) -> dict | None:
     return max(rows, key=lambda r: r["tokens_per_s"], default=None)
 
@@ -375,13 +380,14 @@ def e2e_verdicts(workload: dict, rows: list[dict]) -> tuple[dict | None, list[Ve
         rows: the workload's rows.
 
     Returns:
-        ``(judged, verdicts)``: lstrain's fastest measured row (None if none ran) and one
-        verdict per target the workload has, in the order tokens/s, speedup, memory.
+        ``(judged, verdicts)``: lstrain's fastest measured row with a sane loss (None if
+        none) and one verdict per target the workload has, in the order tokens/s, speedup,
+        memory; rows whose loss is not sane take part neither as lstrain's nor as competitors.
     """
-    measured = _measured(rows)
+    measured = _judgeable(rows)
     best = _fastest([r for r in measured if is_ours(r["variant"])])
     rival = _fastest([r for r in measured if not is_ours(r["variant"])])
-    none_ran = "not judged: no lstrain variant ran"
+    none_ran = "not judged: no lstrain variant ran with a sane loss"
     out = []
     target = _num(workload.get("target_tokens_per_s"))
     if target is not None:
@@ -434,7 +440,7 @@ def _loss(row: dict) -> str:
 
 def _e2e_table(rows: list[dict], judged: dict | None) -> list[str]:
     """One workload's table: a row per variant, lstrain's judged one in bold."""
-    rival = _fastest([r for r in _measured(rows) if not is_ours(r["variant"])])
+    rival = _fastest([r for r in _judgeable(rows) if not is_ours(r["variant"])])
     columns = ["variant", "setup", "tokens/s", "ms/step", "MFU", "peak GiB", "first step s", "final loss",
                "vs best competitor"]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -503,8 +509,9 @@ def render_e2e(runs: list[dict]) -> list[str]:
         "warm-up); *tokens/s* from it. *MFU*: 6N + 12LTD FLOPs per token (N: non-embedding parameters plus the",
         "LM head) times tokens/s over the bf16 GEMM rate of the same run. *peak GiB*: max_memory_allocated from",
         "model and optimizer construction on (warm-up and capture included). *first step s*: its wall time",
-        "(torch.compile, Triton's JIT, the graph capture), not in ms/step. A sane loss is near ln V (random",
-        "tokens). The targets judge lstrain's fastest variant, in bold.",
+        "(torch.compile, Triton's JIT, the graph capture), not in ms/step. A sane loss is finite and near ln V",
+        "(random tokens); a row without one is neither judged nor compared. The targets judge lstrain's",
+        "fastest variant, in bold; *vs best competitor* is its tokens/s over the fastest competitor's.",
     ]
     for data in runs:
         meta, rows = parse_e2e(data)
