@@ -1,0 +1,9 @@
+"""Models built from lstrain.layers, each a Config dataclass and one model file.
+
+``GPT2Config`` / ``GPT2``: GPT-2 small, medium and large with Hugging Face's checkpoint
+format (``GPT2.from_pretrained`` / ``save_pretrained``) and a ``fused=False`` twin.
+"""
+
+from lstrain.models.gpt2 import GPT2, GPT2Config, GPT2Output
+
+__all__ = ["GPT2", "GPT2Config", "GPT2Output"]
