@@ -454,7 +454,8 @@ def _e2e_table(rows: list[dict], judged: dict | None) -> list[str]:
             why = r.get("reason") if status == "skipped" else r.get("error")
             lines.append("| " + " | ".join([name, setup, _cell(f"{status}: {why or ''}"), *[""] * 6]) + " |")
             continue
-        speed = f"{r['tokens_per_s'] / 1e3:.1f}k"
+        tokens_per_s = r["tokens_per_s"]
+        speed = f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s >= 1e3 else f"{tokens_per_s:.3g}"
         mfu = _num(r.get("mfu"))
         versus = ""
         if is_ours(r["variant"]) and rival is not None:
@@ -528,7 +529,7 @@ def render_e2e(runs: list[dict]) -> list[str]:
             if workload.get("steps"):
                 facts.append(f"{workload.get('warmup')} warm-up + {workload['steps']} timed steps")
             if _num(workload.get("flops_per_token")):
-                facts.append(f"{workload['flops_per_token'] / 1e9:.2f} GFLOP per token")
+                facts.append(f"{workload['flops_per_token'] / 1e9:.3g} GFLOP per token")
             lines += ["", f"**{workload.get('title', name)}** ({', '.join(facts)})", "", *_e2e_table(rows_of, judged)]
             if verdicts_of:
                 on = f"on {judged['variant']}" if judged else "on lstrain's fastest variant"
