@@ -268,6 +268,26 @@ def test_bad_seed_names_the_argument(device, make_seed, match):
 
 
 @pytest.mark.parametrize(
+    "shape, p, match",
+    [
+        ((2, 8), 1.5, r"p must be in \[0, 1\], got 1.5"),
+        ((2, 8), -0.1, r"p must be in \[0, 1\], got -0.1"),
+        ((2, 8), float("nan"), r"p must be in \[0, 1\], got nan"),
+        ((), 0.1, r"shape must have at least one dim"),
+    ],
+)
+def test_dropout_mask_refuses_a_bad_p_or_shape(device, shape, p, match):
+    """Unchecked, p > 1 kept nothing, p < 0 or NaN kept everything and () raised IndexError."""
+    with pytest.raises(ValueError, match=match):
+        dropout_mask(torch.tensor([3], device=device), shape, p)
+
+
+def test_dropout_mask_takes_p_as_a_0_d_tensor(device):
+    seed = torch.tensor([3], device=device)
+    assert torch.equal(dropout_mask(seed, (2, 8), torch.tensor(0.5)), dropout_mask(seed, (2, 8), 0.5))
+
+
+@pytest.mark.parametrize(
     "call, match",
     [
         (lambda x: bias_dropout_residual(x, torch.zeros(7), x), "bias has shape \\(7,\\), expected \\(8,\\)"),

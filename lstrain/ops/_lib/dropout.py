@@ -123,10 +123,15 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
         A bool tensor of ``shape``: True where an element is kept.
 
     Raises:
-        ValueError: a ``seed`` that is not a 1-element int64 tensor.
+        ValueError: a ``seed`` that is not a 1-element int64 tensor, an empty ``shape``
+            (the ops refuse scalars: there is no row), or a ``p`` outside [0, 1].
     """
     check_seed("dropout_mask", seed, seed.device if isinstance(seed, torch.Tensor) else torch.device("cpu"))
     shape = tuple(shape)
+    if not shape:
+        raise ValueError("dropout_mask: shape must have at least one dim (a row's length), got ()")
+    # unchecked, p > 1 kept nothing and NaN or p < 0 kept everything, silently
+    p = float_option("dropout_mask", "p", p, 0, 1)
     if _backend.backend_for(seed) == "reference":
         return _philox_keep_ref(seed, shape, p)
     mask = torch.empty(shape, dtype=torch.int8, device=seed.device)
