@@ -756,7 +756,9 @@ def gemm(
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm: need a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype not in _SUPPORTED_DTYPES or b.dtype != a.dtype:
-        raise ValueError(f"gemm: a and b must share a float dtype, got {a.dtype} and {b.dtype}")
+        raise ValueError(
+            f"gemm: a and b must share a float dtype (float32, float16 or bfloat16), got {a.dtype} and {b.dtype}"
+        )
     m, n = a.shape[0], b.shape[1]
     for name, t, shape in (("c", c, (m, n)), ("bias", bias, (n,))):
         if t is None:

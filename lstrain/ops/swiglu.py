@@ -629,8 +629,8 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
         raise ValueError("swiglu_mlp: x must be [*, D] (at least one dim), got a 0-d tensor")
     if x.dtype not in _SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(
-            f"swiglu_mlp: x, w_gate_up and w_down must share a float dtype, got {x.dtype}, {w_gate_up.dtype}, "
-            f"{w_down.dtype}"
+            "swiglu_mlp: x, w_gate_up and w_down must share a float dtype (float32, float16 or bfloat16), "
+            f"got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}"
         )
     if w_gate_up.dim() != 2 or w_gate_up.shape[0] != x.shape[-1] or w_gate_up.shape[1] % 2:
         raise ValueError(f"swiglu_mlp: w_gate_up must be [D, 2F] with D = {x.shape[-1]}, got {tuple(w_gate_up.shape)}")

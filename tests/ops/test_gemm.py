@@ -312,6 +312,7 @@ def test_split_k_wide_tiles_ragged_edges():
         (lambda a: gemm(a, a), "need a \\[M, K\\] and b \\[K, N\\]"),
         (lambda a: gemm(a[0], a.t()), "need a"),
         (lambda a: gemm(a, a.t().double()), "share a float dtype"),
+        (lambda a: gemm(a.double(), a.t().double()), r"float32, float16 or bfloat16\), got torch.float64 and"),
         (lambda a: gemm(a, a.t(), c=torch.zeros(3, 3, device=a.device)), "c has shape \\(3, 3\\), expected \\(4, 4\\)"),
         (lambda a: gemm(a, a.t(), bias=torch.zeros(5, device=a.device)), "bias has shape"),
         (lambda a: gemm(a, a.t(), activation="tanh"), "activation must be None or one of"),

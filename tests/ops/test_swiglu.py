@@ -293,3 +293,9 @@ def test_zero_width_dims_as_torch(device, dim, intermediate, dim_out):
 def test_a_0_d_x_is_refused(device):
     with pytest.raises(ValueError, match="x must be \\[\\*, D\\] .*0-d"):
         swiglu_mlp(torch.tensor(1.0, device=device), torch.randn(1, 2, device=device), torch.randn(1, 1, device=device))
+
+
+def test_a_shared_dtype_that_is_not_supported_is_named(device):
+    """float64 everywhere is 'shared', so the message lists the dtypes that are supported."""
+    with pytest.raises(ValueError, match=r"float32, float16 or bfloat16\), got torch.float64, torch.float64"):
+        swiglu_mlp(*(torch.randn(s, device=device, dtype=torch.float64) for s in ((2, 4), (4, 6), (3, 4))))
