@@ -1,6 +1,7 @@
 """lstrain: fused Triton kernels for training GPT- and BERT-style Transformers.
 
 ``lstrain.ops`` holds the functional ops, ``lstrain.nn`` drop-in modules,
+``lstrain.layers`` the Transformer layers built from them, ``lstrain.models`` GPT-2,
 ``lstrain.optim`` the flat-buffer optimizers, ``lstrain.testing`` the property checks.
 Submodules load on first use, so that ``lstrain.cli`` can switch Triton's interpreter
 on before any kernel is defined.
@@ -8,7 +9,7 @@ on before any kernel is defined.
 
 import importlib
 
-__all__ = ["nn", "ops", "optim", "testing"]
+__all__ = ["layers", "models", "nn", "ops", "optim", "testing"]
 # The one version source: pyproject.toml has setuptools read it statically, so it stays a literal.
 __version__ = "0.1.0"
 
