@@ -413,6 +413,7 @@ def test_linear_module_errors():
         lstrain.nn.Linear(4, 4)(torch.randn(2, 6))  # 12 values: a reshape to [3, 4] would pass
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # torch's init, as expected
 def test_linear_module_with_no_in_features_as_torch(device):
     """in_features = 0: the output is the bias, as torch.nn.Linear's, not a reshape(-1, 0) failure."""
     ours = lstrain.nn.Linear(0, 5, device=device)
