@@ -12,6 +12,8 @@ import torch
 
 __all__ = ["autocast_inputs"]
 
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
+
 
 def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The tensors, cast to autocast's dtype when autocast is on for their device.
@@ -25,9 +27,10 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
         not support, such as meta).
     """
     device_type = next(t.device.type for t in tensors if t is not None)
-    # a device autocast does not know (meta) makes is_autocast_enabled raise; the op's
-    # own checks then name a tensor on the wrong device
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    # Autocast knows cpu, cuda and a few others; a device it does not (meta) makes
+    # is_autocast_enabled raise, and the op's own checks then name the misplaced tensor.
+    # (torch.amp.is_autocast_available would say so too, but torch.compile cannot trace it.)
+    if device_type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
