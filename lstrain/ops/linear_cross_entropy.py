@@ -112,8 +112,22 @@ class _ChunkGradients:
         return None if self.weight is None else self.weight.to(dtype)
 
 
-def _chunk_logits(hidden_c, weight, bias):
-    logits = hidden_c @ weight.t()
+# Row stride of a chunk's logits, in elements: cuBLAS falls back to slow unaligned kernels
+# for an output (and later an operand) whose rows are not 16-byte aligned, as GPT-2's odd
+# vocabulary of 50257 makes them; a padded stride keeps the user's vocabulary.
+_LOGITS_ROW_ALIGNMENT = 64
+
+
+def _chunk_logits(hidden_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden_c @ weight.T + bias``, [rows, V], its row stride padded to whole
+    ``_LOGITS_ROW_ALIGNMENT`` elements (a view of a wider buffer where V is not a multiple)."""
+    rows, vocab = hidden_c.shape[0], weight.shape[0]
+    stride = cdiv(vocab, _LOGITS_ROW_ALIGNMENT) * _LOGITS_ROW_ALIGNMENT
+    if stride == vocab or torch.compiler.is_compiling():  # Inductor pads its own GEMM outputs
+        logits = hidden_c @ weight.t()
+    else:
+        logits = hidden_c.new_empty((rows, stride))[:, :vocab]
+        torch.mm(hidden_c, weight.t(), out=logits)
     if bias is not None:
         logits += bias
     return logits

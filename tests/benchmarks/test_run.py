@@ -19,6 +19,7 @@ TARGETS = {
     ("cross_entropy", "8192 x 128256, smoothing 0.1, 5% ignored"): (1.2, None, None),
     ("embedding", "V 50257, D 1024, 8 x 2048 tokens, dropout 0.1"): (0.15, None, None),
     ("linear_cross_entropy", "8192 x 4096 -> 128256, smoothing 0.1"): (45.0, 600.0, None),
+    ("linear_cross_entropy", "8192 x 1024 -> 50257, smoothing 0.1"): (None, None, ("torch.compile", 1.0)),
     ("swiglu_mlp", "16384 x 4096 x 11008"): (19.5, 1204.0, None),
     ("adamw", "GPT-2 medium, 292 tensors"): (2.55, None, None),
     ("gemm", "16384 x 4096 x 11008 bf16"): (None, None, ("cuBLAS (torch.matmul)", 0.9)),

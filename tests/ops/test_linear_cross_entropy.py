@@ -8,7 +8,7 @@ from hypothesis import example, given
 import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
-from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, _fp32_sum, chunk_rows
+from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, _chunk_logits, _fp32_sum, chunk_rows
 from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import linear_cross_entropy_cases
@@ -271,3 +271,16 @@ def test_module_with_zero_width_hidden(device, reduction):
     )
     expected = F.cross_entropy(torch.zeros(2, 11, 3, device=device), target, reduction=reduction)
     torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize("vocab", [50, 64, 130])
+def test_chunk_logits_rows_are_padded_to_an_aligned_stride(device, vocab):
+    """An odd vocabulary gets logits whose row stride is a multiple of 64 elements (cuBLAS's
+    unaligned kernels are several times slower); the values are the plain product's."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 16, generator=gen).to(device)
+    weight = torch.randn(vocab, 16, generator=gen).to(device)
+    bias = torch.randn(vocab, generator=gen).to(device)
+    logits = _chunk_logits(hidden, weight, bias)
+    assert logits.shape == (5, vocab) and logits.stride() == (-(-vocab // 64) * 64, 1)
+    torch.testing.assert_close(logits, hidden @ weight.t() + bias)
