@@ -16,6 +16,11 @@ forces either way. So the gradients are ready
 when forward ends; backward multiplies them by grad_output, touching no memory when it is
 exactly 1 (no host sync). With ``reduction="none"`` the per-row grad_output is needed, so
 backward recomputes each chunk's logits instead.
+
+A vocabulary that is not a multiple of 64 (GPT-2's 50257) would give the logits rows that
+are not 16-byte aligned, which sends cuBLAS to its slow unaligned kernels: the weight is
+copied once per call with zero rows appended, and each chunk's logits are a [rows, V] view
+of the padded product (the user's vocabulary, loss and gradients are unchanged).
 """
 
 from __future__ import annotations
@@ -118,16 +123,25 @@ class _ChunkGradients:
 _LOGITS_ROW_ALIGNMENT = 64
 
 
-def _chunk_logits(hidden_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``hidden_c @ weight.T + bias``, [rows, V], its row stride padded to whole
-    ``_LOGITS_ROW_ALIGNMENT`` elements (a view of a wider buffer where V is not a multiple)."""
-    rows, vocab = hidden_c.shape[0], weight.shape[0]
-    stride = cdiv(vocab, _LOGITS_ROW_ALIGNMENT) * _LOGITS_ROW_ALIGNMENT
-    if stride == vocab or torch.compiler.is_compiling():  # Inductor pads its own GEMM outputs
-        logits = hidden_c @ weight.t()
-    else:
-        logits = hidden_c.new_empty((rows, stride))[:, :vocab]
-        torch.mm(hidden_c, weight.t(), out=logits)
+def _padded_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [V, D] with zero rows appended up to a multiple of ``_LOGITS_ROW_ALIGNMENT``
+    (``weight`` itself where V is one, or under torch.compile, where Inductor pads its own
+    GEMM outputs). One copy per call: torch.mm into a strided ``out=`` would compute into a
+    contiguous, unaligned temporary and copy it."""
+    vocab = weight.shape[0]
+    padded = cdiv(vocab, _LOGITS_ROW_ALIGNMENT) * _LOGITS_ROW_ALIGNMENT
+    if padded == vocab or torch.compiler.is_compiling():
+        return weight
+    out = weight.new_zeros((padded, weight.shape[1]))
+    out[:vocab] = weight
+    return out
+
+
+def _chunk_logits(hidden_c: torch.Tensor, padded_weight: torch.Tensor, vocab: int, bias: torch.Tensor | None):
+    """``hidden_c @ weight.T + bias`` as [rows, V]: a view of the [rows, V_padded] product
+    with ``padded_weight``, whose extra columns are exact zeros (and stay so: the
+    cross-entropy kernel reads and writes the first V only)."""
+    logits = (hidden_c @ padded_weight.t())[:, :vocab]
     if bias is not None:
         logits += bias
     return logits
@@ -153,8 +167,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # only a mean needs the count: one launch fewer per call otherwise
         valid_rows = count_kept_rows(target, ignore_index) if reduction == "mean" else None
         grads = _ChunkGradients(hidden, weight, needs, fp32_sum) if grad_scale is not None else None
+        padded_weight = _padded_weight(weight)
         for rows in _chunks(tokens, vocab, hidden, chunk_bytes):
-            logits = _chunk_logits(hidden[rows], weight, bias)
+            logits = _chunk_logits(hidden[rows], padded_weight, vocab, bias)
             # In eager mode the kernel overwrites the chunk's logits with their gradient.
             grad_out = logits if grad_scale is not None else None
             chunk_loss, _, grad_logits = loss_and_gradient(
@@ -197,8 +212,9 @@ def _recompute_gradients(ctx, grad_loss):
     hidden, weight, target, bias = ctx.saved_tensors
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
     grads = _ChunkGradients(hidden, weight, needs, ctx.fp32_sum)
+    padded_weight = _padded_weight(weight)
     for rows in _chunks(hidden.shape[0], weight.shape[0], hidden, ctx.chunk_bytes):
-        logits = _chunk_logits(hidden[rows], weight, bias)
+        logits = _chunk_logits(hidden[rows], padded_weight, weight.shape[0], bias)
         _, stats, _ = loss_and_gradient(logits, target[rows], ctx.options, None, None, None)
         grad_logits = recompute_gradient(grad_loss[rows], logits, target[rows], stats, ctx.options)
         grads.add(rows, grad_logits, hidden[rows], weight)

@@ -8,7 +8,7 @@ from hypothesis import example, given
 import lstrain
 from lstrain._backend import record_backends
 from lstrain.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
-from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, _chunk_logits, _fp32_sum, chunk_rows
+from lstrain.ops.linear_cross_entropy import DEFAULT_CHUNK_BYTES, _chunk_logits, _fp32_sum, _padded_weight, chunk_rows
 from lstrain.testing import assert_all_passed, compare_to_reference
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import linear_cross_entropy_cases
@@ -281,6 +281,6 @@ def test_chunk_logits_rows_are_padded_to_an_aligned_stride(device, vocab):
     hidden = torch.randn(5, 16, generator=gen).to(device)
     weight = torch.randn(vocab, 16, generator=gen).to(device)
     bias = torch.randn(vocab, generator=gen).to(device)
-    logits = _chunk_logits(hidden, weight, bias)
+    logits = _chunk_logits(hidden, _padded_weight(weight), vocab, bias)
     assert logits.shape == (5, vocab) and logits.stride() == (-(-vocab // 64) * 64, 1)
     torch.testing.assert_close(logits, hidden @ weight.t() + bias)
