@@ -75,7 +75,7 @@ def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)  # cuBLAS adds the fp32 product to C before rounding it
         return
-    if acc.is_cuda:
+    if acc.is_cuda and not torch.compiler.is_compiling():  # fake tensors cannot run addmm's out_dtype
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit inputs, fp32 output (torch >= 2.8)
             return
