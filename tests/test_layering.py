@@ -1,8 +1,9 @@
 """Imports run one way: each lstrain package imports only from the packages below it.
 
-The order, top to bottom: __main__ -> cli -> testing -> models -> layers -> nn -> ops /
-optim -> _backend. ops and optim sit side by side and import neither each other. A new
-package takes its place in ``LAYERS`` before it can import anything.
+The order, top to bottom: __main__ -> cli -> testing -> config -> train -> models -> layers
+-> nn -> ops / optim / data -> _backend. Packages of one layer (ops, optim, data) import
+none of each other. A new package takes its place in ``LAYERS`` before it can import
+anything.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[1] / "lstrain"
 # Packages (the first name below lstrain) by layer, lowest first.
 LAYERS = [
     {"_backend"},
-    {"ops", "optim"},
+    {"ops", "optim", "data"},
     {"nn"},
     {"layers"},
     {"models"},
+    {"train"},
+    {"config"},
     {"testing"},
     {"cli"},
     {"__main__"},
