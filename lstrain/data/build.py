@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lstrain.data.corpus import CorpusFile, read_documents, select_files
+from lstrain.data.corpus import PYTHON_STDLIB, CorpusFile, read_documents, select_files
 from lstrain.data.shards import is_shard_source, open_shards
 from lstrain.data.stream import TokenStream
 from lstrain.data.tokenizer import MIN_BPE_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, train_bpe
@@ -215,10 +215,10 @@ def build_data(config: DataConfig, seq_len: int, seed: int = 0, mlm: bool = Fals
             sequence, shards that do not match their dtype or vocabulary, MLM without a mask id.
     """
     _check_config(config, seq_len)
-    if config.source != "python-stdlib" and not Path(config.source).expanduser().exists():
-        raise FileNotFoundError(f"source: {config.source!r} does not exist (and is not 'python-stdlib')")
+    if config.source != PYTHON_STDLIB and not Path(config.source).expanduser().exists():
+        raise FileNotFoundError(f"source: {config.source!r} does not exist (and is not {PYTHON_STDLIB!r})")
     cache_path, from_cache = None, False
-    if config.source != "python-stdlib" and is_shard_source(config.source):
+    if config.source != PYTHON_STDLIB and is_shard_source(config.source):
         shards = open_shards(config.source)
         tokenizer = shards.tokenizer
         train, val = (shards.train, shards.val) if shards.val is not None else _split(shards.train, config.val_fraction)

@@ -1,0 +1,156 @@
+"""Batches: determinism, resuming, epochs, the rank split, MLM masking."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from lstrain.data import IGNORE_INDEX, ByteTokenizer, TokenStream, build_data, mask_tokens
+
+SEQ = 32
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def data(stdlib_config):
+    return build_data(stdlib_config, seq_len=SEQ, seed=1)
+
+
+def test_a_batch_is_a_function_of_seed_and_step(stdlib_config, data):
+    again = build_data(stdlib_config, seq_len=SEQ, seed=1)  # a fresh run: new streams, nothing consumed
+    for step in (0, 1, 7, 10_000):
+        assert _equal(data.train.batch(step, 4), again.train.batch(step, 4))
+    assert not torch.equal(data.train.batch(0, 4)["input_ids"], data.train.batch(1, 4)["input_ids"])
+    other = build_data(stdlib_config, seq_len=SEQ, seed=2)
+    assert not torch.equal(data.train.batch(0, 4)["input_ids"], other.train.batch(0, 4)["input_ids"])
+    assert not torch.equal(data.train.batch(0, 4)["input_ids"][:1], data.val.batch(0, 4)["input_ids"][:1])
+
+
+def test_resuming_at_step_k_gives_batch_k(stdlib_config, data):
+    uninterrupted = [data.train.batch(step, 3) for step in range(12)]
+    resumed = build_data(stdlib_config, seq_len=SEQ, seed=1)
+    assert all(_equal(resumed.train.batch(step, 3), uninterrupted[step]) for step in range(8, 12))
+
+
+def test_an_epoch_reads_every_sequence_once_then_reshuffles():
+    tokens = np.arange(10 * 8, dtype=np.uint16) % 200 + 3  # 10 sequences of 8
+    stream = TokenStream([tokens], 8, 0, "train", ByteTokenizer())
+    assert stream.sequences == 10
+    rows = torch.cat([stream.batch(step, 4)["input_ids"] for step in range(5)])  # 20 rows: two epochs
+    firsts = [int(row[0]) for row in rows]
+    expected = sorted(int(tokens[i * 8]) for i in range(10))
+    assert sorted(firsts[:10]) == expected and sorted(firsts[10:]) == expected
+    assert firsts[:10] != firsts[10:]
+    for row in rows:  # each row is one packed sequence: a window of the tokens at a multiple of 8
+        start = (int(row[0]) - 3) % 200
+        assert start % 8 == 0 and torch.equal(row, torch.from_numpy(tokens[start : start + 8].astype(np.int64)))
+
+
+def test_a_batch_bigger_than_an_epoch_wraps_around():
+    stream = TokenStream([np.arange(3 * 4, dtype=np.uint16) + 3], 4, 0, "train", ByteTokenizer())
+    assert stream.batch(0, 7)["input_ids"].shape == (7, 4)
+
+
+@pytest.mark.parametrize("mlm", [False, True])
+def test_ranks_take_contiguous_rows_of_the_global_batch(stdlib_config, mlm):
+    data = build_data(stdlib_config, seq_len=SEQ, seed=3, mlm=mlm)
+    for step in (0, 5):
+        whole = data.train.batch(step, 6)
+        parts = [data.train.batch(step, 2, rank=r, world_size=3) for r in range(3)]
+        assert _equal(whole, {k: torch.cat([p[k] for p in parts]) for k in whole})
+
+
+def test_shards_do_not_join_into_one_sequence():
+    shards = [np.full(10, 5, dtype=np.uint16), np.full(7, 6, dtype=np.uint16), np.full(3, 7, dtype=np.uint16)]
+    stream = TokenStream(shards, 4, 0, "train", ByteTokenizer())
+    assert stream.sequences == 2 + 1 and stream.tokens == 20
+    rows = stream.batch(0, 3)["input_ids"]
+    assert sorted(int(r[0]) for r in rows) == [5, 5, 6] and all(len(set(r.tolist())) == 1 for r in rows)
+
+
+def test_pad_ids_are_masked_out():
+    tokenizer = ByteTokenizer()
+    tokens = np.array([10, 11, tokenizer.pad_id, tokenizer.pad_id] * 4, dtype=np.uint16)
+    batch = TokenStream([tokens], 4, 0, "train", tokenizer).batch(0, 2)
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0]] * 2
+    assert batch["labels"].tolist() == [[10, 11, IGNORE_INDEX, IGNORE_INDEX]] * 2
+
+
+def test_mlm_masks_like_hugging_face(stdlib_config):
+    plain = build_data(stdlib_config, seq_len=64, seed=4)
+    masked = build_data(stdlib_config, seq_len=64, seed=4, mlm=True)
+    tokenizer = masked.tokenizer
+    original, batch = plain.train.batch(2, 128)["input_ids"], masked.train.batch(2, 128)
+    inputs, labels = batch["input_ids"], batch["labels"]
+    special = torch.isin(original, torch.tensor(tokenizer.special_ids))
+    selected = labels != IGNORE_INDEX
+    assert not (selected & special).any()
+    assert torch.equal(labels[selected], original[selected])
+    assert torch.equal(inputs[~selected], original[~selected])  # unselected tokens untouched
+    share = selected.sum().item() / (~special).sum().item()
+    assert share == pytest.approx(0.15, abs=0.01)  # ~8000 tokens: 5 sigma is 0.02 of the share
+    n = selected.sum().item()
+    as_mask = (inputs[selected] == tokenizer.mask_id).sum().item() / n
+    kept = (inputs[selected] == original[selected]).sum().item() / n
+    assert as_mask == pytest.approx(0.8, abs=0.03)
+    assert kept == pytest.approx(0.1, abs=0.025)  # includes the 1/vocab random draws of the same id
+    randomized = inputs[selected & (inputs != tokenizer.mask_id) & (inputs != original)]
+    assert len(randomized) / n == pytest.approx(0.1, abs=0.025)
+    assert not torch.isin(randomized, torch.tensor(tokenizer.special_ids)).any()
+    assert (batch["attention_mask"] == 1).all()
+    assert _equal(masked.train.batch(2, 128), batch)  # deterministic too
+
+
+def test_mlm_probability_is_the_configs(stdlib_config):
+    config = dataclasses.replace(stdlib_config, mlm_probability=0.4)
+    plain = build_data(config, seq_len=64).train.batch(0, 64)["input_ids"]
+    labels = build_data(config, seq_len=64, mlm=True).train.batch(0, 64)["labels"]
+    assert (labels != IGNORE_INDEX).float().mean().item() == pytest.approx(0.4, abs=0.03)
+    assert plain.shape == labels.shape
+
+
+def test_mask_tokens_never_selects_special_ids():
+    ids = np.tile(np.array([0, 1, 2, 50, 60], dtype=np.int64), 2000)
+    special, normal = np.array([0, 1, 2]), np.arange(3, 259)
+    inputs, labels = mask_tokens(ids, np.random.default_rng(0), 0.5, 2, special, normal)
+    is_special = np.isin(ids, special)
+    assert (labels[is_special] == IGNORE_INDEX).all() and (inputs[is_special] == ids[is_special]).all()
+    assert (labels[~is_special] != IGNORE_INDEX).mean() == pytest.approx(0.5, abs=0.03)
+
+
+def test_mlm_streams_never_select_eos_or_pad():
+    tokenizer = ByteTokenizer()
+    tokens = np.tile(np.array([40, 41, 42, tokenizer.eos_id, tokenizer.pad_id], dtype=np.uint16), 400)
+    batch = TokenStream([tokens], 50, 0, "train", tokenizer, mlm_probability=0.5).batch(0, 40)
+    selected = batch["labels"] != IGNORE_INDEX
+    ids = torch.from_numpy(tokens[:50].astype(np.int64))  # every sequence of 50 is the same here
+    special = torch.isin(ids, torch.tensor(tokenizer.special_ids)).expand_as(selected)
+    assert selected.any() and not (selected & special).any()
+    assert torch.equal(batch["input_ids"][special], ids.expand_as(selected)[special])
+    assert torch.equal(batch["attention_mask"][0], (ids != tokenizer.pad_id).long())
+
+
+def test_mlm_needs_a_mask_id():
+    tokenizer = ByteTokenizer()
+    tokenizer.mask_id = None
+    with pytest.raises(ValueError, match="mlm: the tokenizer has no mask id"):
+        TokenStream([np.arange(64, dtype=np.uint16)], 8, 0, "train", tokenizer, mlm_probability=0.15)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((-1, 2), "step: -1 is negative"),
+        ((0, 0), "batch_size: 0 is below 1"),
+        ((0, 2, 2, 2), r"rank: 2 is not in \[0, world_size=2\)"),
+        ((0, 2, -1, 2), r"rank: -1 is not in"),
+        ((0, 2, 0, 0), r"rank: 0 is not in \[0, world_size=0\)"),
+    ],
+)
+def test_bad_batch_arguments_are_errors(data, args, match):
+    with pytest.raises(ValueError, match=match):
+        data.train.batch(*args)

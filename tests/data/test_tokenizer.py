@@ -1,0 +1,62 @@
+"""The byte and BPE tokenizers: round trips, special ids, bad ids."""
+
+import pytest
+
+from lstrain.data import ByteTokenizer, build_data
+from lstrain.data.corpus import read_documents, select_files, stdlib_files
+from lstrain.data.tokenizer import EOS_TOKEN, MIN_BPE_VOCAB, SPECIAL_TOKENS, train_bpe
+
+# Text the corpus may never have seen: non-ASCII, an emoji, odd whitespace, a special token's string.
+ODD_TEXT = "naïve café — 日本語 🚀\ttabs\r\nCRLF   spaces\n\n" + EOS_TOKEN + " <pad><mask>\x00end"
+
+
+def test_bpe_round_trips_stdlib_text(stdlib_config):
+    tokenizer = build_data(stdlib_config, seq_len=64).tokenizer
+    assert tokenizer.kind == "bpe" and MIN_BPE_VOCAB < tokenizer.vocab_size <= stdlib_config.vocab_size
+    # files the BPE trained on and files it did not: the first and the last of the library's order
+    files = select_files("python-stdlib", None)
+    for document in read_documents(files[:3] + files[-3:]):
+        text = "".join(document)
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+        assert len(ids) < len(text.encode()) / 1.5  # it did learn merges
+    assert tokenizer.decode(tokenizer.encode(ODD_TEXT)) == ODD_TEXT
+
+
+def test_special_strings_in_text_stay_text(stdlib_config):
+    tokenizer = build_data(stdlib_config, seq_len=64).tokenizer
+    for make in (lambda: tokenizer, ByteTokenizer):
+        ids = make().encode(ODD_TEXT)
+        assert not set(ids) & set(make().special_ids)
+
+
+def test_special_ids_are_first_and_decode_by_name(stdlib_config):
+    for tokenizer in (build_data(stdlib_config, seq_len=64).tokenizer, ByteTokenizer()):
+        assert (tokenizer.eos_id, tokenizer.pad_id, tokenizer.mask_id) == (0, 1, 2)
+        assert tokenizer.bos_id == tokenizer.eos_id and tokenizer.special_ids == (0, 1, 2)
+        assert tokenizer.decode([0, 1, 2]) == "".join(SPECIAL_TOKENS)
+
+
+def test_byte_tokenizer():
+    tokenizer = ByteTokenizer()
+    assert tokenizer.vocab_size == 259
+    assert tokenizer.encode("A") == [ord("A") + 3]
+    assert tokenizer.decode(tokenizer.encode(ODD_TEXT)) == ODD_TEXT
+    assert tokenizer.decode(tokenizer.encode("é")[:1]) == "\ufffd"  # half a character
+
+
+@pytest.mark.parametrize("bad", [-1, 259])
+def test_decode_refuses_an_id_outside_the_vocabulary(bad):
+    with pytest.raises(ValueError, match=f"ids: {bad} is outside"):
+        ByteTokenizer().decode([5, bad])
+
+
+def test_train_bpe_refuses_a_vocabulary_without_room_for_the_bytes():
+    with pytest.raises(ValueError, match="vocab_size: 258 is below 259"):
+        train_bpe(["text"], 258)
+
+
+def test_stdlib_files_leave_out_third_party_packages():
+    files = stdlib_files()
+    assert len(files) > 100
+    assert not any("site-packages" in f.parts for f in files)
