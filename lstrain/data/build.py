@@ -111,7 +111,7 @@ def _cache_entry(config: DataConfig, files: list[CorpusFile]) -> Path:
         "files": [(str(f.path.resolve()), f.size, f.mtime_ns, f.read_bytes) for f in files],
     }
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    vocab = config.vocab_size if config.tokenizer == "bpe" else 256
+    vocab = config.vocab_size if config.tokenizer == "bpe" else ByteTokenizer.vocab_size
     root = Path(config.cache_dir).expanduser() if config.cache_dir else Path("~/.cache/lstrain").expanduser()
     return root / "data" / f"{config.tokenizer}-{vocab}-{digest}"
 
@@ -171,13 +171,12 @@ def _build_entry(config: DataConfig, files: list[CorpusFile], entry: Path) -> No
 
 
 def _load_entry(config: DataConfig, entry: Path) -> tuple[Tokenizer, np.ndarray]:
+    """The tokenizer and the memory-mapped ids of a finished cache entry."""
     meta = json.loads((entry / "meta.json").read_text())
     if config.tokenizer == "bpe":
         tokenizer: Tokenizer = BPETokenizer.from_file(entry / "tokenizer.json")
     else:
         tokenizer = ByteTokenizer()
-    if meta["tokens"] == 0:
-        return tokenizer, np.zeros(0, dtype=meta["dtype"])
     return tokenizer, np.memmap(entry / "tokens.bin", dtype=meta["dtype"], mode="r")
 
 
