@@ -273,7 +273,14 @@ class _MaskedLMHead(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(config.vocab_size, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The transformed hidden states (the decoder's input), shaped like ``x``."""
+        """The transform of the encoder's output.
+
+        Args:
+            x: ``[*, hidden_size]`` hidden states.
+
+        Returns:
+            The decoder's input, shaped like ``x``.
+        """
         h = self.transform["dense"](x)
         if not self.fused:
             h = ACTIVATIONS[self.activation](h)
@@ -294,13 +301,14 @@ class BertForMaskedLM(torch.nn.Module):
     token_type``), :class:`lstrain.nn.LayerNorm`, the fused layers, the transform's bias
     and activation in its GEMM's epilogue, and with labels only the rows whose label is
     not -100 go through the head: gathered, transformed and scored by
-    :func:`lstrain.ops.linear_cross_entropy` (no logits). The gather reads how many rows
-    there are on the host (one sync per step, and a graph break under torch.compile
-    unless ``torch._dynamo.config.capture_dynamic_output_shape_ops``); at BERT's 15%
-    masking it skips 85% of the head's work. The embeddings' dropout is ``F.dropout`` in
-    both (lstrain has no dropout-only op, and it must follow the LayerNorm). Unfused:
-    ``nn.Embedding`` x 3, ``nn.LayerNorm``, the plain-torch layers, the full logits and
-    ``F.cross_entropy`` on them in fp32, as HF computes them (HF keeps the model's dtype).
+    :func:`lstrain.ops.linear_cross_entropy` (no logits); at BERT's 15% masking that skips
+    85% of the head's work. The gather reads how many rows there are on the host (one
+    sync per step); under torch.compile, where that count would be a data-dependent shape
+    linear_cross_entropy cannot trace, every row is scored with -100 ignored instead.
+    The embeddings' dropout is ``F.dropout`` in both (lstrain has no dropout-only op, and
+    it must follow the LayerNorm). Unfused: ``nn.Embedding`` x 3, ``nn.LayerNorm``, the
+    plain-torch layers, the full logits and ``F.cross_entropy`` on them with -100 ignored,
+    as HF computes them, but in at least fp32 (HF keeps the model's dtype).
 
     Parameter names: see the module docstring; load HF weights with
     :meth:`from_pretrained`, not ``load_state_dict``. Initialisation is HF's: normal with
@@ -407,10 +415,13 @@ class BertForMaskedLM(torch.nn.Module):
         if labels is None:
             return BertOutput(logits=F.linear(head(x), decoder, head.bias))
         if self.config.fused:
-            target = labels.reshape(-1)
-            rows = (target != IGNORE_INDEX).nonzero().squeeze(1)
-            hidden = head(x.reshape(-1, x.shape[-1]).index_select(0, rows))
-            loss = linear_cross_entropy(hidden, decoder, target.index_select(0, rows), head.bias, check_targets=False)
+            target, hidden = labels.reshape(-1), x.reshape(-1, x.shape[-1])
+            if not torch.compiler.is_compiling():  # see the class docstring
+                rows = (target != IGNORE_INDEX).nonzero().squeeze(1)
+                hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
+            loss = linear_cross_entropy(
+                head(hidden), decoder, target, head.bias, ignore_index=IGNORE_INDEX, check_targets=False
+            )
             return BertOutput(loss=loss)
         logits = F.linear(head(x), decoder, head.bias)
         # at least fp32 (an fp64 twin stays fp64): the reference's loss rounded once
