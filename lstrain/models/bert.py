@@ -443,6 +443,10 @@ class BertForMaskedLM(torch.nn.Module):
             # gradients flow back through the (small) broadcast sum
             pos_type = (position[:seq, None, :] + token_type[None, :, :]).reshape(seq * types, -1)
             positions = torch.arange(seq, device=input_ids.device) * types + token_type_ids
+            # an unchecked bad token type would land on a neighbour position's row: send it
+            # past the table instead, where the kernel writes NaN (never a silent wrong row)
+            in_range = (token_type_ids >= 0) & (token_type_ids < types)
+            positions = positions.masked_fill(~in_range, seq * types)
             if self.config.pad_token_id is not None and torch.is_grad_enabled():
                 word = _NoRowGradient.apply(word, self.config.pad_token_id)
             x = embedding(input_ids, word, pos_weight=pos_type, positions=positions, check_ids=False)

@@ -234,6 +234,17 @@ def test_bad_input_is_named():
     assert torch.isfinite(model(ids, labels=_with(torch.full_like(ids, -100), (0, 3), 5)).loss)  # -100 is fine
 
 
+def test_unchecked_bad_token_types_give_nan_not_a_neighbours_row():
+    model, _ = twins()
+    ids = torch.randint(0, 37, (2, 8), device=DEVICE)
+    types = torch.zeros_like(ids)
+    types[1, 2] = 3  # type_vocab_size is 3: row (2, 3) would be position 3's type 0
+    with torch.no_grad():
+        logits = model(ids, token_type_ids=types, check_ids=False).logits
+    assert logits[1].isnan().all()  # attention spreads the NaN over its sequence
+    assert torch.isfinite(logits[0]).all()
+
+
 def test_ids_are_checked_only_on_the_cpu_by_default():
     model = BertForMaskedLM(BertConfig(**TINY), device="meta")  # tensors off the CPU: no host read by default
     ids = torch.randint(0, 37, (2, 8)).to("meta")
