@@ -3,10 +3,17 @@
 Under ``torch.compile`` a launcher must be an opaque custom op (the tracer cannot follow
 Triton launches, and the op's fake kernel gives Inductor its outputs' shapes); in eager
 mode the dispatcher costs host time for nothing, so the launcher is called directly.
+
+Each op also gets an explicit Inductor fallback lowering, the one Inductor would create
+implicitly. Without it, Inductor (torch 2.11) formats the op's IR arguments with their
+recursive ``__str__`` for a log line at every call site, whatever the log level; in a deep
+model that formatting dominated compile time (see docs/notes/compile.md).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,7 +52,17 @@ def kernel_op(name: str, launcher: Callable, *, mutates_args: Sequence[str] = ()
     def register(fake: Callable) -> Callable:
         schema = torch.library.infer_schema(fake, mutates_args=mutates_args)
         op = torch.library.custom_op(f"lstrain::{name}", launcher, mutates_args=mutates_args, schema=schema)
-        op.register_fake(fake)
+
+        @functools.wraps(fake)
+        def fake_and_lowering(*args, **kwargs):
+            # Fake kernels run only while torch.compile traces, and Inductor imports its
+            # lowerings before it traces the joint graph: the lowering is in place before
+            # Inductor lowers the graph, and eager mode and other backends never import it.
+            if "torch._inductor.lowering" in sys.modules:
+                _declare_inductor_fallback(op._opoverload)
+            return fake(*args, **kwargs)
+
+        op.register_fake(fake_and_lowering)
 
         def call(*args):
             if torch.compiler.is_compiling():
@@ -58,3 +75,17 @@ def kernel_op(name: str, launcher: Callable, *, mutates_args: Sequence[str] = ()
         return call
 
     return register
+
+
+@functools.cache
+def _declare_inductor_fallback(overload: torch._ops.OpOverload) -> None:
+    """Register ``overload``'s Inductor lowering: a fallback to the op itself, with the layout
+    constraint of its tags (Inductor's default: strides fixed as in eager), as Inductor's
+    implicit fallback would, minus the eager ``__str__`` of every argument for its log line."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    if overload not in lowerings:
+        make_fallback(
+            overload, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(overload, with_default=True))
+        )
