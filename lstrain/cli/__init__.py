@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 
 from lstrain import __version__
-from lstrain.cli import check
+from lstrain.cli import check, train
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = (check,)
+_SUBCOMMANDS = (check, train)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,173 @@
+"""Checkpoints: the model as Hugging Face files, the rest of the trainer's state beside it.
+
+A checkpoint is a directory ``<folder>/step-00000100/`` holding ``config.json`` and
+``model.safetensors`` (``GPT2.save_pretrained``: ``GPT2.from_pretrained`` and HF's
+``GPT2LMHeadModel.from_pretrained`` load it) and ``trainer.pt``: the optimizer's, the loss
+scaler's and the schedule's state, the data position, the RNG states and the recipe. It is
+written into a temporary directory next to it, every file and the directory fsynced, then
+renamed into place: a crash or an error mid-write leaves the earlier checkpoints as they
+were and no ``step-*`` directory half written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "find_checkpoint",
+    "list_checkpoints",
+    "load_trainer_state",
+    "model_mismatch",
+    "remove_partial_writes",
+    "save_checkpoint",
+]
+
+TRAINER_FILE = "trainer.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TEMP_PREFIX = ".tmp-"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first.
+
+    Args:
+        folder: the checkpoint folder (it need not exist).
+
+    Returns:
+        The ``step-*`` directories that hold a trainer state, by step.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for child in folder.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / TRAINER_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint that ``--resume PATH`` names: a checkpoint directory itself, or the
+    latest one in a checkpoint folder.
+
+    Args:
+        path: a ``step-*`` directory or a folder of them.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        FileNotFoundError: there is no checkpoint there.
+    """
+    path = Path(path)
+    if (path / TRAINER_FILE).is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"--resume: no checkpoint in {path} (expected step-*/{TRAINER_FILE})")
+    return found[-1]
+
+
+def save_checkpoint(folder: str | Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
+    """Write a checkpoint atomically, then delete all but the latest ``keep``.
+
+    Args:
+        folder: the checkpoint folder, created if needed.
+        step: the number of optimizer steps taken (the directory's name).
+        model: has ``save_pretrained(directory)``.
+        state: the trainer's state (``torch.save``-able; loaded with ``weights_only=True``).
+        keep: how many checkpoints to keep.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        OSError, RuntimeError: the write failed; the temporary directory is removed and
+            the earlier checkpoints are untouched.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step:08d}"
+    temp = folder / f"{_TEMP_PREFIX}{final.name}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        temp.mkdir()
+        model.save_pretrained(temp)
+        torch.save(state, temp / TRAINER_FILE)
+        for child in temp.iterdir():
+            _fsync_path(child)
+        _fsync_path(temp)
+        if final.exists():  # the same step saved again (a resumed run): swap, never half replace
+            old = folder / f"{_TEMP_PREFIX}old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(temp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(temp, final)
+        _fsync_path(folder)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    for stale in list_checkpoints(folder)[:-keep]:
+        shutil.rmtree(stale)
+    return final
+
+
+def remove_partial_writes(folder: str | Path) -> None:
+    """Delete temporary directories that a killed run left in ``folder``.
+
+    Args:
+        folder: the checkpoint folder.
+    """
+    folder = Path(folder)
+    if folder.is_dir():
+        for child in folder.iterdir():
+            if child.name.startswith(_TEMP_PREFIX) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint directory (tensors on the CPU).
+
+    Args:
+        checkpoint: a ``step-*`` directory.
+
+    Returns:
+        What :func:`save_checkpoint` was given as ``state``.
+    """
+    return torch.load(checkpoint / TRAINER_FILE, map_location="cpu", weights_only=True)
+
+
+def model_mismatch(checkpoint: Path, hf_config: dict) -> list[str]:
+    """How a checkpoint's model differs from the model a run builds.
+
+    Args:
+        checkpoint: a checkpoint directory.
+        hf_config: the run's model config as HF's config.json (``GPT2Config.to_hf_dict()``).
+
+    Returns:
+        ``"field: checkpoint X, recipe Y"`` for each differing field (empty: it fits).
+    """
+    saved = json.loads((checkpoint / "config.json").read_text())
+    keys = sorted(set(saved) | set(hf_config))
+    return [
+        f"{key}: checkpoint {saved.get(key)!r}, recipe {hf_config.get(key)!r}"
+        for key in keys
+        if saved.get(key) != hf_config.get(key)
+    ]

@@ -1,0 +1,554 @@
+"""The training loop of ``lstrain train``: one process, or one rank of a ``torchrun`` job.
+
+What has run: the eager loop on the CPU, in one process and as 2 gloo processes, with
+FusedAdamW in the Triton interpreter (the tests) and with ``torch.optim.AdamW`` over the
+same flat buffers when the interpreter is off (the tiny recipe). The CUDA paths (bf16 /
+fp16 parameters, NCCL, ``torch.compile``, the captured step) are written but have not run
+yet: they wait for a GPU session.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import random
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lstrain import _backend
+from lstrain.models import GPT2
+from lstrain.optim import FlatParameters, FusedAdamW, LossScaler
+from lstrain.train import checkpoint as ckpt
+from lstrain.train.config import RunConfig
+from lstrain.train.metrics import MetricsLog, plot_losses
+from lstrain.train.schedule import lr_factor
+
+__all__ = ["Summary", "train"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CAPTURE_WARMUP = 3  # eager steps on a side stream before a capture, as torch's CUDA-graph docs do
+
+
+@dataclass
+class Summary:
+    """What a run did.
+
+    Attributes:
+        steps: optimizer steps taken by this process (a resumed run counts from where it
+            resumed).
+        tokens: tokens trained on in those steps, over all ranks.
+        seconds: wall time of those steps (evaluation and checkpoints included).
+        train_loss: the loss of the last step (mean over ranks), None if no step ran.
+        eval_loss: the last validation loss, None without evaluation.
+        losses: every step's training loss (rank 0's view: the mean over ranks), by step.
+        checkpoint: the last checkpoint written, None if none.
+        sample: the generated text, None without ``[sample]``.
+        model: the trained model (its parameters are views of the optimizer's flat buffers).
+    """
+
+    steps: int
+    tokens: int
+    seconds: float
+    train_loss: float | None
+    eval_loss: float | None
+    losses: dict[int, float]
+    checkpoint: Path | None
+    sample: str | None
+    model: GPT2 | None = None
+
+
+@dataclass
+class _World:
+    rank: int
+    size: int
+    device: torch.device
+    initialized_here: bool
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _setup_world(device_name: str) -> _World:
+    """Join the ``torchrun`` job the environment describes (gloo on the CPU, NCCL on CUDA)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if device_name == "cuda" and not torch.cuda.is_available():
+        raise ValueError('[training]: device = "cuda" but torch sees no CUDA device')
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    initialized_here = False
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+        initialized_here = True
+    return _World(rank, size, device, initialized_here)
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    """The torch seed of one (step, rank): dropout is a function of them, so a resumed run
+    draws the masks the uninterrupted one drew, and ranks draw different ones."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def _rng_state() -> dict:
+    numpy_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [numpy_state[0], torch.from_numpy(numpy_state[1].copy()), *numpy_state[2:]],
+        "python": list(random.getstate()),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's inputs; the attention mask only where there is padding (checked on the
+    CPU batch: no device sync), since the unmasked kernels are the faster ones."""
+    out = {
+        "input_ids": batch["input_ids"].to(device, non_blocking=True),
+        "labels": batch["labels"].to(device, non_blocking=True),
+    }
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        out["attention_mask"] = mask.to(device, non_blocking=True)
+    return out
+
+
+class _Stepper:
+    """One optimizer step: micro-batches' forward and backward, the gradient all-reduce,
+    clipping, the (loss-scaled) update. Eager, or captured in a CUDA graph.
+
+    FusedAdamW runs where lstrain's kernels run (CUDA, or the CPU with the Triton
+    interpreter on); on the CPU without the interpreter, ``torch.optim.AdamW`` updates the
+    same flat buffers (FlatParameters), clipped by the same formula: the checkpoints'
+    optimizer state has torch's layout either way.
+    """
+
+    def __init__(self, run: RunConfig, model: GPT2, world: _World, accumulation: int) -> None:
+        self.run, self.model, self.world, self.accumulation = run, model, world, accumulation
+        training = run.training
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = run.optimizer
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        kwargs = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
+        max_norm = training.max_norm or None
+        self.fused = world.device.type == "cuda" or _backend.interpreter_active()
+        if self.fused:
+            self.optimizer = FusedAdamW(groups, **kwargs, max_grad_norm=max_norm)
+            self.flat = self.optimizer.flat
+        else:
+            self.flat = FlatParameters([decay, no_decay])
+            self.optimizer = torch.optim.AdamW(groups, **kwargs)
+        self.max_norm = max_norm
+        self.scaler = LossScaler(device=world.device) if training.mixed_precision == "fp16" else None
+        self.forward = torch.compile(model) if training.compile else model
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _zero_grad(self) -> None:
+        if self.fused:
+            self.optimizer.zero_grad()  # in place: the .grad views of the flat buffers stay
+        else:
+            self.flat.zero_grad()
+
+    def _clip(self) -> None:
+        # FusedAdamW's formula, so that both optimizers clip alike
+        norms = torch.stack([torch.linalg.vector_norm(b.grad.float()) for b in self.flat.buffers])
+        factor = torch.clamp(self.max_norm / (torch.linalg.vector_norm(norms) + 1e-6), max=1.0)
+        for buffer in self.flat.buffers:
+            buffer.grad.mul_(factor.to(buffer.grad.dtype))
+
+    def eager(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """One step on ``batches`` (one per micro-batch, on the device).
+
+        Returns:
+            The mean micro-batch loss of this rank, a detached device scalar.
+        """
+        self._zero_grad()
+        total = torch.zeros((), dtype=torch.float32, device=self.world.device)
+        for batch in batches:
+            loss = self.forward(**batch).loss
+            scaled = loss / self.accumulation
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += loss.detach().float()
+        if self.world.size > 1:
+            self.flat.all_reduce_grads()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if not self.fused and self.max_norm is not None:
+                self._clip()
+            self.optimizer.step()
+        return total / self.accumulation
+
+    def snapshot(self) -> dict:
+        """Copies of everything a step changes: model, optimizer, scaler, RNG."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "rng": _rng_state(),
+        }
+
+    def restore(self, saved: dict) -> None:
+        """Undo the steps since :meth:`snapshot` (in place: the flat buffers stay)."""
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(saved["scaler"])
+        _set_rng_state(saved["rng"])
+
+    def captured(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The step as one CUDA graph: captured at the first call, replayed after.
+
+        The first call copies the batches into static buffers, runs ``CAPTURE_WARMUP``
+        eager steps on a side stream (lazily allocated state, the optimizer's included,
+        then exists, and the graph records steady-state work), restores the model,
+        optimizer, scaler and RNG to what they were before the warm-up, captures one step
+        and replays it. Each later call copies its batches into the static buffers,
+        writes the learning rate to the optimizer's device copy of its hyperparameters
+        and replays. Written after ``benchmarks/e2e.py``'s ``CapturedStep`` (measured on
+        an H200); this training version has not run on a GPU yet.
+
+        Returns:
+            The step's mean micro-batch loss (a copy: the next replay overwrites it).
+
+        Raises:
+            ValueError: a batch has padding (the static inputs have no attention mask).
+        """
+        if any("attention_mask" in b for b in batches):
+            raise ValueError("cuda_graphs: batches with padding are not supported (the captured step has no mask)")
+        if self.graph is None:
+            self.static = [{k: v.clone() for k, v in b.items()} for b in batches]
+            saved = self.snapshot()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(CAPTURE_WARMUP):
+                    self.eager(self.static)
+            torch.cuda.current_stream().wait_stream(side)
+            self.restore(saved)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.static_loss = self.eager(self.static)
+            self.graph = graph
+        for static, batch in zip(self.static, batches, strict=True):
+            for key, value in batch.items():
+                static[key].copy_(value, non_blocking=True)
+        # outside the graph the step's Python code does not run: write the new lr to the
+        # device tensor the captured kernel reads
+        self.optimizer._sync_hyperparameters()
+        self.graph.replay()
+        return self.static_loss.clone()
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            if state["scaler"] is None:
+                raise ValueError("--resume: the checkpoint has no loss-scaler state (it was not an fp16 run)")
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _check_run(run: RunConfig, world: _World, n_positions: int) -> int:
+    """Everything that can be wrong before a step runs; returns the accumulation steps."""
+    training = run.training
+    if training.seq_len > n_positions:
+        raise ValueError(f"[training]: seq_len {training.seq_len} exceeds the model's n_positions {n_positions}")
+    if training.cuda_graphs and world.device.type != "cuda":
+        raise ValueError("[training]: cuda_graphs needs CUDA (this run is on the CPU)")
+    if training.cuda_graphs and training.compile:
+        raise ValueError("[training]: compile and cuda_graphs together are not supported yet; choose one")
+    if training.mixed_precision != "fp32" and world.device.type != "cuda":
+        raise ValueError(
+            f'[training]: mixed_precision = "{training.mixed_precision}" needs CUDA; on the CPU use "fp32" '
+            "(the interpreter's bf16 GEMMs are wrong, and the plain-PyTorch CPU path keeps no fp32 master weights)"
+        )
+    return training.accumulation(world.size)
+
+
+def _sample(model: GPT2, tokenizer, run: RunConfig, prompt_ids: list[int], device: torch.device) -> str:
+    """Continue ``prompt_ids`` by ``max_new_tokens`` sampled tokens; the decoded text."""
+    config = run.sample
+    generator = torch.Generator().manual_seed(run.training.seed)
+    ids = list(prompt_ids)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(config.max_new_tokens):
+            context = torch.tensor([ids[-model.config.n_positions :]], device=device)
+            logits = model(context).logits[0, -1].float().cpu()
+            if config.temperature == 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits / config.temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            ids.append(token)
+    model.train()
+    return tokenizer.decode(ids)
+
+
+def train(
+    run: RunConfig,
+    *,
+    resume: str | Path | bool | None = None,
+    data: Any = None,
+    progress: bool = True,
+    echo: Callable[[str], None] | None = None,
+) -> Summary:
+    """Train the recipe's model on its data; checkpoints, metrics and a summary on rank 0.
+
+    Args:
+        run: the recipe.
+        resume: True: continue from the latest checkpoint in ``[checkpoint] folder``; a
+            path: from that checkpoint (or the latest in that folder); None/False: a new
+            run, refused when the checkpoint folder already holds checkpoints.
+        data: an object with ``tokenizer``, ``train`` and ``val`` as ``lstrain.data``
+            builds it (None: ``lstrain.data.build_data(run.data, ...)``).
+        progress: show the tqdm progress bar (rank 0).
+        echo: where rank 0's lines go (default: print to stdout).
+
+    Returns:
+        The :class:`Summary` (on every rank; the losses are the mean over ranks).
+
+    Raises:
+        ValueError, FileNotFoundError: bad input, found before any step runs and before
+            anything is written: a missing data path, seq_len beyond n_positions, a batch
+            that does not divide across ranks, a new run over existing checkpoints, a
+            checkpoint of another model, cuda_graphs without CUDA.
+    """
+    world = _setup_world(run.training.device)
+    try:
+        return _train(run, world, resume, data, progress, echo or print)
+    finally:
+        if world.initialized_here:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) -> Summary:
+    training, device = run.training, world.device
+    say = echo if world.main else (lambda line: None)
+    if data is None:
+        from lstrain.data import build_data
+
+        data = build_data(run.data, seq_len=training.seq_len, seed=training.seed, mlm=False)
+    model_config = run.model.build(data.tokenizer.vocab_size)
+    if "fused" not in run.model.fields and world.device.type == "cpu" and not _backend.interpreter_active():
+        # lstrain's ops would run their plain-PyTorch references here anyway; the fused=False
+        # twin (the same parameters and checkpoints) is the faster way to run them
+        model_config = dataclasses.replace(model_config, fused=False)
+    accumulation = _check_run(run, world, model_config.n_positions)
+    folder = Path(run.checkpoint.folder)
+    start_checkpoint = None
+    if resume:
+        start_checkpoint = ckpt.find_checkpoint(folder if resume is True else resume)
+        mismatch = ckpt.model_mismatch(start_checkpoint, model_config.to_hf_dict())
+        if mismatch:
+            raise ValueError(f"--resume: {start_checkpoint} holds another model: {'; '.join(mismatch)}")
+    elif run.checkpoint.enabled and ckpt.list_checkpoints(folder):
+        raise ValueError(
+            f"[checkpoint]: {folder} already holds checkpoints; pass --resume to continue, or set another folder "
+            "(nothing is written over them)"
+        )
+
+    torch.manual_seed(training.seed)  # every rank builds the same initial model
+    model = GPT2(model_config, device=device, dtype=_DTYPES[training.mixed_precision]).train()
+    start_step = 0
+    state = None
+    if start_checkpoint is not None:
+        loaded = GPT2.from_pretrained(start_checkpoint, device=device, dtype=_DTYPES[training.mixed_precision])
+        model.load_state_dict(loaded.state_dict())
+        del loaded
+        state = ckpt.load_trainer_state(start_checkpoint)
+        start_step = state["step"]
+    stepper = _Stepper(run, model, world, accumulation)
+    if state is not None:
+        stepper.load_state_dict(state)
+        _set_rng_state(state["rng"])
+    parameters = sum(p.numel() for p in model.parameters())
+    local = training.local_batch_size  # rows per rank: the data's batch() gives each rank its own
+    tokens_per_step = local * world.size * accumulation * training.seq_len
+    say(
+        f"lstrain train: {model_config.n_layer} layers x {model_config.n_embd}, {parameters / 1e6:.2f}M parameters, "
+        f"vocab {model_config.vocab_size}; {training.local_batch_size} x {world.size} rank(s) x {training.seq_len} "
+        f"x {accumulation} accumulation = {tokens_per_step} tokens per step; {training.steps} steps on {device} "
+        f"({'lstrain kernels' if model_config.fused else 'plain-PyTorch model'}, "
+        f"{'FusedAdamW' if stepper.fused else 'torch.optim.AdamW over flat buffers'}, {training.mixed_precision})"
+    )
+    if start_checkpoint is not None:
+        say(f"resuming from {start_checkpoint} (step {start_step})")
+
+    log = None
+    if world.main:
+        if run.checkpoint.enabled:
+            ckpt.remove_partial_writes(folder)
+        log = MetricsLog(run.metrics.folder, resume_step=start_step if start_checkpoint is not None else None)
+        if start_checkpoint is None:
+            log.write({"step": 0, "run": run.to_dict(), "parameters": parameters, "world_size": world.size})
+    plot_path = Path(run.metrics.folder) / "loss.png"
+
+    def mean_over_ranks(value: torch.Tensor) -> float:
+        if world.size > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= world.size
+        return float(value)
+
+    def evaluate() -> float | None:
+        if run.eval.steps == 0:
+            return None
+        model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for i in range(run.eval.steps):
+                batch = _to_device(data.val.batch(i, local, rank=world.rank, world_size=world.size), device)
+                total += model(**batch).loss.float()
+        model.train()
+        return mean_over_ranks(total / run.eval.steps)
+
+    def save(step: int) -> Path:
+        state = {
+            "step": step,
+            "data_step": step * accumulation,
+            **stepper.state_dict(),
+            "scheduler": {"step": step, "total_steps": training.steps},
+            "rng": _rng_state(),
+            "world_size": world.size,
+            "run": run.to_dict(),
+        }
+        return ckpt.save_checkpoint(folder, step, model, state, run.checkpoint.keep_latest_k)
+
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=training.steps,
+        initial=start_step,
+        disable=not (progress and world.main),
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+    losses: dict[int, float] = {}
+    eval_loss = None
+    last_checkpoint = None
+    started = time.perf_counter()
+    interval_start, interval_tokens = started, 0
+    step_fn = stepper.captured if training.cuda_graphs else stepper.eager
+    for step in range(start_step, training.steps):
+        lr = run.optimizer.lr * lr_factor(step, training.steps, run.lr_scheduler)
+        stepper.set_lr(lr)
+        if not training.cuda_graphs:  # the graph's dropout offsets advance per replay instead
+            torch.manual_seed(_step_seed(training.seed, step, world.rank))
+        batches = [
+            _to_device(data.train.batch(step * accumulation + m, local, rank=world.rank, world_size=world.size), device)
+            for m in range(accumulation)
+        ]
+        loss = step_fn(batches)
+        done = step + 1
+        bar.update(1)
+        interval_tokens += tokens_per_step
+        if done % run.metrics.log_freq == 0 or done == training.steps:
+            value = mean_over_ranks(loss)  # the host read: only at logged steps
+            if not math.isfinite(value):
+                raise FloatingPointError(f"lstrain train: the loss is {value} at step {done}")
+            now = time.perf_counter()
+            rate = interval_tokens / max(now - interval_start, 1e-9)
+            interval_start, interval_tokens = now, 0
+            losses[done] = value
+            memory = _memory_mib(device)
+            bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}", mem=f"{memory:,.0f}MiB")
+            if log is not None:
+                log.write({"step": done, "loss": value, "lr": lr, "tokens_per_s": rate, "memory_mib": memory})
+        evaluating = run.eval.freq and done % run.eval.freq == 0
+        if evaluating or done == training.steps:
+            eval_loss = evaluate()
+            if log is not None and eval_loss is not None:
+                log.write({"step": done, "eval_loss": eval_loss})
+                bar.write(f"step {done}: eval loss {eval_loss:.4f}")
+            if log is not None:
+                plot_losses(plot_path, log.records, f"{model_config.n_layer} x {model_config.n_embd} GPT-2")
+        interval = run.checkpoint.interval
+        if run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps):
+            if world.main:
+                last_checkpoint = save(done)
+            if world.size > 1:
+                dist.barrier()  # no rank runs ahead of a checkpoint it could be killed after
+    bar.close()
+    seconds = time.perf_counter() - started
+    ran = training.steps - start_step
+    sample = None
+    if run.sample.max_new_tokens and world.main:
+        prompt = data.tokenizer.encode(run.sample.prompt) if run.sample.prompt else []
+        if not prompt:
+            prompt = data.val.batch(0, 1)["input_ids"][0, :8].tolist()
+        sample = _sample(model, data.tokenizer, run, prompt, device)
+    summary = Summary(
+        steps=ran,
+        tokens=ran * tokens_per_step,
+        seconds=seconds,
+        train_loss=losses[max(losses)] if losses else None,
+        eval_loss=eval_loss,
+        losses=losses,
+        checkpoint=last_checkpoint,
+        sample=sample,
+        model=model,
+    )
+    if log is not None:
+        record = {k: getattr(summary, k) for k in ("steps", "tokens", "seconds", "train_loss", "eval_loss", "sample")}
+        log.write({"step": training.steps, "summary": {**record, "checkpoint": str(last_checkpoint)}})
+        log.close()
+    _print_summary(say, summary, run)
+    return summary
+
+
+def _print_summary(say: Callable[[str], None], summary: Summary, run: RunConfig) -> None:
+    rate = summary.tokens / max(summary.seconds, 1e-9)
+    first = summary.losses[min(summary.losses)] if summary.losses else None
+    say(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.1f} s ({rate:,.0f} tokens/s)")
+    if first is not None:
+        say(f"train loss {first:.4f} -> {summary.train_loss:.4f}" + (
+            f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else ""))  # fmt: skip
+    if summary.checkpoint is not None:
+        say(f"checkpoint: {summary.checkpoint}")
+    say(f"metrics: {Path(run.metrics.folder) / 'metrics.jsonl'}, loss curve: {Path(run.metrics.folder) / 'loss.png'}")
+    if summary.sample is not None:
+        say(f"sample:\n{summary.sample}")

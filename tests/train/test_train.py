@@ -1,0 +1,122 @@
+"""A micro run end to end, its checkpoints, and the bad input refused before any step."""
+
+import json
+
+import pytest
+import torch
+
+from lstrain import _backend
+from lstrain.models import GPT2, GPT2Config
+from lstrain.train import RunConfig, train
+from lstrain.train import checkpoint as ckpt
+from tests.train.helpers import micro_run
+
+pytestmark = pytest.mark.skipif(
+    not _backend.interpreter_active(), reason="FusedAdamW on the CPU needs the Triton interpreter: a CPU-only run"
+)
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+def test_a_micro_run_writes_metrics_checkpoints_and_the_loss_curve(tmp_path):
+    run = micro_run(tmp_path, steps=2, fused=True)  # lstrain's kernels, in the interpreter
+    run.sample.max_new_tokens = 4
+    summary = train(run, progress=False, echo=_quiet)
+
+    assert summary.steps == 2 and summary.tokens == 2 * 2 * 32
+    assert set(summary.losses) == {1, 2} and all(0 < v < 10 for v in summary.losses.values())
+    assert summary.eval_loss is not None and isinstance(summary.sample, str)
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0 and records[0]["run"]["training"]["steps"] == 2
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2]
+    assert {"step", "loss", "lr", "tokens_per_s", "memory_mib"} <= set(logged[0])
+    assert logged[0]["lr"] == pytest.approx(3e-3 / 2)  # one warmup step: lr / (warmup + 1)
+    assert [r["step"] for r in records if "eval_loss" in r] == [2]
+    assert records[-1]["summary"]["steps"] == 2
+    assert (tmp_path / "metrics" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    (saved,) = ckpt.list_checkpoints(tmp_path / "checkpoints")
+    assert saved.name == "step-00000002" and summary.checkpoint == saved
+    loaded = GPT2.from_pretrained(saved)  # HF's files: config.json + model.safetensors
+    for key, value in summary.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    state = ckpt.load_trainer_state(saved)
+    assert state["step"] == 2 and state["data_step"] == 2
+    assert {"optimizer", "scaler", "scheduler", "rng", "run"} <= set(state)
+
+
+def _other_model_checkpoint(folder):
+    model = GPT2(GPT2Config(vocab_size=259, n_positions=32, n_embd=16, n_layer=1, n_head=2, fused=False))
+    return ckpt.save_checkpoint(folder, 3, model, {"step": 3}, keep=2)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing data", "short corpus", "seq_len", "global batch", "cuda_graphs", "over checkpoints", "other model"],
+)
+def test_bad_input_is_refused_before_any_step(tmp_path, case):
+    run: RunConfig = micro_run(tmp_path)
+    resume = None
+    expected = {
+        "missing data": (FileNotFoundError, "does not exist"),
+        "short corpus": (ValueError, "shorter than one sequence"),
+        "seq_len": (ValueError, "seq_len 64 exceeds the model's n_positions 32"),
+        "global batch": (ValueError, "global_batch_size 5 does not divide across 1 rank"),
+        "cuda_graphs": (ValueError, "cuda_graphs needs CUDA"),
+        "over checkpoints": (ValueError, "already holds checkpoints; pass --resume"),
+        "other model": (ValueError, "holds another model: n_embd: checkpoint 16, recipe 32"),
+    }[case]
+    if case == "missing data":
+        run.data.source = str(tmp_path / "nowhere.txt")
+    elif case == "short corpus":
+        (tmp_path / "short.txt").write_text("too short")
+        run.data.source = str(tmp_path / "short.txt")
+    elif case == "seq_len":
+        run.training.seq_len = 64
+    elif case == "global batch":
+        run.training.global_batch_size = 5
+    elif case == "cuda_graphs":
+        run.training.cuda_graphs = True
+    elif case == "over checkpoints":
+        _other_model_checkpoint(tmp_path / "checkpoints")
+    else:
+        _other_model_checkpoint(tmp_path / "checkpoints")
+        resume = True
+    before = (
+        sorted(p.name for p in (tmp_path / "checkpoints").glob("*")) if case.endswith(("checkpoints", "model")) else []
+    )
+    with pytest.raises(expected[0], match=expected[1]):
+        train(run, resume=resume, progress=False, echo=_quiet)
+    assert not (tmp_path / "metrics").exists()  # nothing written
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*")) == before
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch):
+    model = GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, fused=False))
+    first = ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, keep=2)
+    files = {p.name: p.read_bytes() for p in first.iterdir()}
+
+    def failing_save(obj, path):
+        raise OSError("disk full")
+
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(tmp_path, 2, model, {"step": 2}, keep=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]  # no step-2, no temporary directory
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == files
+    assert ckpt.find_checkpoint(tmp_path) == first
+
+
+def test_only_the_latest_k_checkpoints_are_kept(tmp_path):
+    model = GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, fused=False))
+    for step in (1, 2, 3, 10):
+        ckpt.save_checkpoint(tmp_path, step, model, {"step": step}, keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000003", "step-00000010"]
+    assert ckpt.find_checkpoint(tmp_path).name == "step-00000010"
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        ckpt.find_checkpoint(tmp_path / "empty")
