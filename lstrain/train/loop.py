@@ -503,7 +503,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
             eval_loss = evaluate()
             if log is not None and eval_loss is not None:
                 log.write({"step": done, "eval_loss": eval_loss})
-                bar.write(f"step {done}: eval loss {eval_loss:.4f}")
+                (bar.write if progress else say)(f"step {done}: eval loss {eval_loss:.4f}")
             if log is not None:
                 plot_losses(plot_path, log.records, f"{model_config.n_layer} x {model_config.n_embd} GPT-2")
         interval = run.checkpoint.interval
