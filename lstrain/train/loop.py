@@ -357,11 +357,15 @@ def train(
     """
     world = _setup_world(run.training.device)
     try:
-        return _train(run, world, resume, data, progress, echo or print)
-    finally:
-        if world.initialized_here:
-            dist.barrier()
+        summary = _train(run, world, resume, data, progress, echo or print)
+    except BaseException:
+        if world.initialized_here:  # no barrier: the other ranks may never reach one
             dist.destroy_process_group()
+        raise
+    if world.initialized_here:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
 
 
 def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) -> Summary:

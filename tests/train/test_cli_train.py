@@ -1,0 +1,71 @@
+"""``lstrain train`` as a user types it: a recipe file, overrides, exit codes."""
+
+import json
+
+import pytest
+
+from lstrain import _backend, cli
+from lstrain.cli.train import DEFAULT_RECIPE, resolve_recipe
+from tests.train.helpers import corpus
+
+MICRO = """
+[model]
+n_layer = 1
+n_embd = 32
+n_head = 2
+n_positions = 32
+fused = false
+
+[data]
+source = "{source}"
+tokenizer = "byte"
+cache_dir = "{cache}"
+
+[training]
+local_batch_size = 2
+seq_len = 16
+steps = 2
+mixed_precision = "fp32"
+
+[checkpoint]
+folder = "{folder}/checkpoints"
+
+[metrics]
+log_freq = 1
+folder = "{folder}/metrics"
+
+[eval]
+steps = 1
+"""
+
+
+def _recipe(tmp_path):
+    path = tmp_path / "micro.toml"
+    path.write_text(MICRO.format(source=corpus(tmp_path), cache=tmp_path / "cache", folder=tmp_path))
+    return path
+
+
+@pytest.mark.skipif(not _backend.interpreter_active(), reason="FusedAdamW on the CPU needs the Triton interpreter")
+def test_train_runs_a_recipe_with_overrides(tmp_path, capsys):
+    assert cli.main(["train", str(_recipe(tmp_path)), "--set", "training.steps=3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "done: 3 steps" in out and "checkpoint:" in out
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    # the folder now holds checkpoints: a second new run is refused, --resume is the way on
+    assert cli.main(["train", str(_recipe(tmp_path)), "--no-progress"]) == 2
+    assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
+
+
+def test_a_bad_recipe_exits_2_with_the_reason(tmp_path, capsys):
+    assert cli.main(["train", str(_recipe(tmp_path)), "--set", "training.stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "lstrain train:" in err and "unknown key 'stpes' (did you mean 'steps'?)" in err
+    assert cli.main(["train", str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml does not exist" in capsys.readouterr().err
+
+
+def test_the_default_recipe_is_gpt2_tiny():
+    assert DEFAULT_RECIPE == "gpt2-tiny"
+    assert resolve_recipe(None).name == "gpt2-tiny.toml" and resolve_recipe(None).is_file()
+    assert resolve_recipe("gpt2-small") == resolve_recipe(None).with_name("gpt2-small.toml")

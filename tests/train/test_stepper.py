@@ -1,0 +1,41 @@
+"""The step's pieces that the CUDA-graph capture relies on, checked eagerly on the CPU."""
+
+import pytest
+import torch
+
+from lstrain import _backend
+from lstrain.data import build_data
+from lstrain.models import GPT2
+from lstrain.train.loop import _Stepper, _to_device, _World
+from tests.train.helpers import micro_run
+
+pytestmark = pytest.mark.skipif(
+    not _backend.interpreter_active(), reason="FusedAdamW on the CPU needs the Triton interpreter: a CPU-only run"
+)
+
+
+def _stepper(run):
+    torch.manual_seed(0)
+    model = GPT2(run.model.build(259)).train()
+    return _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), accumulation=2)
+
+
+def test_warm_up_steps_are_undone_before_the_capture(tmp_path):
+    """The captured step warms up with real steps and then restores everything: the first
+    step after that restore is the first step of a fresh run."""
+    run = micro_run(tmp_path, steps=4)
+    data = build_data(run.data, seq_len=32, seed=0)
+    batches = [_to_device(data.train.batch(m, 2), torch.device("cpu")) for m in range(2)]
+    fresh, warmed = _stepper(run), _stepper(run)
+    saved = warmed.snapshot()
+    for _ in range(3):
+        warmed.eager(batches)
+    warmed.restore(saved)
+    torch.manual_seed(7)
+    expected = fresh.eager(batches)
+    torch.manual_seed(7)
+    got = warmed.eager(batches)
+    assert torch.equal(expected, got)
+    for (key, a), b in zip(fresh.model.state_dict().items(), warmed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+    assert fresh.optimizer.state_dict()["state"].keys() == warmed.optimizer.state_dict()["state"].keys()
