@@ -1,10 +1,11 @@
 """The training loop of ``lstrain train``: one process, or one rank of a ``torchrun`` job.
 
-What has run: the eager loop on the CPU, in one process and as 2 gloo processes, with
-FusedAdamW in the Triton interpreter (the tests) and with ``torch.optim.AdamW`` over the
-same flat buffers when the interpreter is off (the tiny recipe). The CUDA paths (bf16 /
-fp16 parameters, NCCL, ``torch.compile``, the captured step) are written but have not run
-yet: they wait for a GPU session.
+What has run: the eager loop on the CPU, in one process and as 2 gloo processes (the
+tests, and ``torchrun`` by hand), with FusedAdamW in the Triton interpreter (the tests) and
+with ``torch.optim.AdamW`` over the same flat buffers when the interpreter is off (the tiny
+recipe); ``torch.compile`` of the plain-PyTorch model on the CPU (a test). The CUDA paths
+(bf16 / fp16 parameters with the loss scaler, NCCL, compile of the fused model, the
+captured step) are written but have not run yet: they wait for a GPU session.
 """
 
 from __future__ import annotations

@@ -55,7 +55,16 @@ def _other_model_checkpoint(folder):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing data", "short corpus", "seq_len", "global batch", "cuda_graphs", "over checkpoints", "other model"],
+    [
+        "missing data",
+        "short corpus",
+        "seq_len",
+        "global batch",
+        "cuda_graphs",
+        "bf16 on the CPU",
+        "over checkpoints",
+        "other model",
+    ],
 )
 def test_bad_input_is_refused_before_any_step(tmp_path, case):
     run: RunConfig = micro_run(tmp_path)
@@ -66,6 +75,7 @@ def test_bad_input_is_refused_before_any_step(tmp_path, case):
         "seq_len": (ValueError, "seq_len 64 exceeds the model's n_positions 32"),
         "global batch": (ValueError, "global_batch_size 5 does not divide across 1 rank"),
         "cuda_graphs": (ValueError, "cuda_graphs needs CUDA"),
+        "bf16 on the CPU": (ValueError, 'mixed_precision = "bf16" needs CUDA; on the CPU use "fp32"'),
         "over checkpoints": (ValueError, "already holds checkpoints; pass --resume"),
         "other model": (ValueError, "holds another model: n_embd: checkpoint 16, recipe 32"),
     }[case]
@@ -80,6 +90,8 @@ def test_bad_input_is_refused_before_any_step(tmp_path, case):
         run.training.global_batch_size = 5
     elif case == "cuda_graphs":
         run.training.cuda_graphs = True
+    elif case == "bf16 on the CPU":
+        run.training.mixed_precision = "bf16"
     elif case == "over checkpoints":
         _other_model_checkpoint(tmp_path / "checkpoints")
     else:
@@ -120,3 +132,11 @@ def test_only_the_latest_k_checkpoints_are_kept(tmp_path):
     assert ckpt.find_checkpoint(tmp_path).name == "step-00000010"
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         ckpt.find_checkpoint(tmp_path / "empty")
+
+
+def test_compile_trains_like_eager(tmp_path):
+    eager = train(micro_run(tmp_path / "eager", steps=2, dropout=0.0), progress=False, echo=_quiet)
+    run = micro_run(tmp_path / "compiled", steps=2, dropout=0.0, compile=True)
+    compiled = train(run, progress=False, echo=_quiet)
+    for step, loss in eager.losses.items():
+        assert compiled.losses[step] == pytest.approx(loss, rel=1e-4)
