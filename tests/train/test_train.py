@@ -140,3 +140,14 @@ def test_compile_trains_like_eager(tmp_path):
     compiled = train(run, progress=False, echo=_quiet)
     for step, loss in eager.losses.items():
         assert compiled.losses[step] == pytest.approx(loss, rel=1e-4)
+
+
+def test_gradient_accumulation_matches_the_whole_batch(tmp_path):
+    whole = train(micro_run(tmp_path / "whole", steps=2, dropout=0.0, local_batch_size=2), progress=False, echo=_quiet)
+    run = micro_run(tmp_path / "accumulated", steps=2, dropout=0.0, local_batch_size=1, global_batch_size=2)
+    assert run.training.accumulation(world_size=1) == 2  # global_batch_size fixes the accumulation
+    accumulated = train(run, progress=False, echo=_quiet)
+    for (key, a), b in zip(whole.model.state_dict().items(), accumulated.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=key)  # Adam amplifies rounding near 0
+    for step, loss in whole.losses.items():
+        assert accumulated.losses[step] == pytest.approx(loss, rel=1e-5)
