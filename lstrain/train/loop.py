@@ -39,6 +39,8 @@ __all__ = ["Summary", "train"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CAPTURE_WARMUP = 3  # eager steps on a side stream before a capture, as torch's CUDA-graph docs do
+# dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s), by a device-name fragment: MFU's denominator
+_PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
 @dataclass
@@ -56,6 +58,10 @@ class Summary:
         checkpoint: the last checkpoint written, None if none.
         sample: the generated text, None without ``[sample]``.
         model: the trained model (its parameters are views of the optimizer's flat buffers).
+        tflops: model TFLOP/s over all ranks (``6 N + 12 L T D`` per token, N counting the
+            LM head's GEMM, as ``benchmarks/e2e.py``).
+        mfu: tflops over the ranks' datasheet dense bf16 peak, on a GPU the table knows;
+            else None.
     """
 
     steps: int
@@ -67,6 +73,8 @@ class Summary:
     checkpoint: Path | None
     sample: str | None
     model: GPT2 | None = None
+    tflops: float = 0.0
+    mfu: float | None = None
 
 
 @dataclass
@@ -129,6 +137,24 @@ def _memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N + 12 L T D``, N the non-embedding parameters plus the
+    LM head's ``V x D`` (tied, but a GEMM all the same): ``benchmarks/e2e.py``'s count."""
+    d = config.n_embd
+    inner = config.n_inner or 4 * d
+    per_layer = 4 * d * d + 4 * d + 2 * d * inner + inner + d + 4 * d  # attention, MLP, two LayerNorms
+    params = config.n_layer * per_layer + 2 * d + config.vocab_size * d
+    return 6 * params + 12 * config.n_layer * seq_len * d
+
+
+def _mfu(tflops: float, device: torch.device, ranks: int) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in _PEAK_BF16_TFLOPS.items() if k in name), None)
+    return tflops / (peak * ranks) if peak else None
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -526,6 +552,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         if not prompt:
             prompt = data.val.batch(0, 1)["input_ids"][0, :8].tolist()
         sample = _sample(model, data.tokenizer, run, prompt, device)
+    tflops = ran * tokens_per_step * _flops_per_token(model_config, training.seq_len) / max(seconds, 1e-9) / 1e12
     summary = Summary(
         steps=ran,
         tokens=ran * tokens_per_step,
@@ -536,9 +563,12 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         checkpoint=last_checkpoint,
         sample=sample,
         model=model,
+        tflops=tflops,
+        mfu=_mfu(tflops, device, world.size),
     )
     if log is not None:
-        record = {k: getattr(summary, k) for k in ("steps", "tokens", "seconds", "train_loss", "eval_loss", "sample")}
+        names = ("steps", "tokens", "seconds", "train_loss", "eval_loss", "tflops", "mfu", "sample")
+        record = {k: getattr(summary, k) for k in names}
         log.write({"step": training.steps, "summary": {**record, "checkpoint": str(last_checkpoint)}})
         log.close()
     _print_summary(say, summary, run)
@@ -548,7 +578,11 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
 def _print_summary(say: Callable[[str], None], summary: Summary, run: RunConfig) -> None:
     rate = summary.tokens / max(summary.seconds, 1e-9)
     first = summary.losses[min(summary.losses)] if summary.losses else None
-    say(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.1f} s ({rate:,.0f} tokens/s)")
+    mfu = f", MFU {summary.mfu:.1%} of the datasheet bf16 peak" if summary.mfu is not None else ""
+    say(
+        f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.seconds:.1f} s ({rate:,.0f} tokens/s, "
+        f"model {summary.tflops:.3g} TFLOP/s{mfu})"
+    )
     if first is not None:
         say(f"train loss {first:.4f} -> {summary.train_loss:.4f}" + (
             f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else ""))  # fmt: skip
