@@ -23,8 +23,6 @@ reference twin of tests and benchmarks.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 import lstrain.nn
 from lstrain.layers import TransformerLayer
 from lstrain.layers.mlp import ACTIVATIONS
+from lstrain.models.hf_checkpoint import config_from_hf, config_to_hf, read_checkpoint, write_checkpoint
 from lstrain.ops import embedding, linear_cross_entropy
 
 __all__ = ["HF_LAYER_NAMES", "BertConfig", "BertForMaskedLM", "BertOutput"]
@@ -201,13 +200,7 @@ class BertConfig:
             ValueError: the file is not a BERT config, or sets a variant this model does
                 not implement (relative position embeddings, a decoder, untied embeddings).
         """
-        if hf.get("model_type", "bert") != "bert":
-            raise ValueError(f"BertConfig: config.json has model_type {hf['model_type']!r}, expected 'bert'")
-        for name, assumed in _FIXED_HF_SETTINGS.items():
-            if hf.get(name, assumed) != assumed:
-                raise ValueError(f"BertConfig: config.json sets {name}={hf[name]!r}; only {assumed!r} is supported")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"fused"}
-        return cls(**{**{k: v for k, v in hf.items() if k in fields}, **overrides})
+        return config_from_hf(cls, hf, "bert", _FIXED_HF_SETTINGS, overrides)
 
     def to_hf_dict(self) -> dict:
         """This config as a Hugging Face BERT config.json (``model_type`` "bert").
@@ -215,8 +208,7 @@ class BertConfig:
         Returns:
             A JSON-serialisable dict that ``transformers.BertConfig`` reads.
         """
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "fused"}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", **fields, **_FIXED_HF_SETTINGS}
+        return config_to_hf(self, "BertForMaskedLM", "bert", _FIXED_HF_SETTINGS)
 
 
 @dataclass
@@ -524,24 +516,8 @@ class BertForMaskedLM(torch.nn.Module):
                 tensors missing, unexpected or of the wrong shape, or a decoder that is not
                 the word table.
         """
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        config_file, index_file = path / "config.json", path / "model.safetensors.index.json"
-        files = [path / "model.safetensors"]
-        if index_file.is_file():
-            files = [path / name for name in sorted(set(json.loads(index_file.read_text())["weight_map"].values()))]
-        missing = [str(f) for f in (config_file, *files) if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"BertForMaskedLM.from_pretrained: {path} must be a local directory with config.json and "
-                f"model.safetensors (a hub name is not downloaded); missing {missing}"
-            )
-        config = BertConfig.from_hf_dict(json.loads(config_file.read_text()), **overrides)
-        tensors = {}
-        for f in files:
-            tensors.update(load_file(str(f)))
-        model = cls(config, device=device, dtype=dtype)
+        hf_config, tensors = read_checkpoint(path, "BertForMaskedLM.from_pretrained")
+        model = cls(BertConfig.from_hf_dict(hf_config, **overrides), device=device, dtype=dtype)
         model.load_state_dict(_from_hf_tensors(tensors, model))
         return model.eval()
 
@@ -556,13 +532,7 @@ class BertForMaskedLM(torch.nn.Module):
         Args:
             path: a directory, created if needed.
         """
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
-        tensors = {key: value.detach().contiguous().cpu() for key, value in _to_hf_tensors(self.state_dict()).items()}
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        write_checkpoint(path, self.config.to_hf_dict(), _to_hf_tensors(self.state_dict()))
 
 
 def _hf_names(key: str) -> tuple[str, ...]:

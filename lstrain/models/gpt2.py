@@ -13,8 +13,6 @@ the reference twin of tests and benchmarks.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 
 import lstrain.nn
 from lstrain.layers import TransformerLayer
+from lstrain.models.hf_checkpoint import config_from_hf, config_to_hf, read_checkpoint, write_checkpoint
 from lstrain.ops import embedding, linear_cross_entropy
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Output"]
@@ -164,13 +163,7 @@ class GPT2Config:
             ValueError: the file is not a GPT-2 config, or sets a variant this model does
                 not implement (e.g. ``scale_attn_by_inverse_layer_idx``, untied embeddings).
         """
-        if hf.get("model_type", "gpt2") != "gpt2":
-            raise ValueError(f"GPT2Config: config.json has model_type {hf['model_type']!r}, expected 'gpt2'")
-        for name, assumed in _FIXED_HF_SETTINGS.items():
-            if hf.get(name, assumed) != assumed:
-                raise ValueError(f"GPT2Config: config.json sets {name}={hf[name]!r}; only {assumed!r} is supported")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"fused"}
-        return cls(**{**{k: v for k, v in hf.items() if k in fields}, **overrides})
+        return config_from_hf(cls, hf, "gpt2", _FIXED_HF_SETTINGS, overrides)
 
     def to_hf_dict(self) -> dict:
         """This config as a Hugging Face GPT-2 config.json (``model_type`` "gpt2").
@@ -178,8 +171,7 @@ class GPT2Config:
         Returns:
             A JSON-serialisable dict that ``transformers.GPT2Config`` reads.
         """
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "fused"}
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **fields, **_FIXED_HF_SETTINGS}
+        return config_to_hf(self, "GPT2LMHeadModel", "gpt2", _FIXED_HF_SETTINGS)
 
 
 @dataclass
@@ -386,24 +378,8 @@ class GPT2(torch.nn.Module):
                 tensors missing, unexpected or of the wrong shape, or an LM head that is
                 not the token embedding.
         """
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        config_file, index_file = path / "config.json", path / "model.safetensors.index.json"
-        files = [path / "model.safetensors"]
-        if index_file.is_file():
-            files = [path / name for name in sorted(set(json.loads(index_file.read_text())["weight_map"].values()))]
-        missing = [str(f) for f in (config_file, *files) if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"GPT2.from_pretrained: {path} must be a local directory with config.json and model.safetensors "
-                f"(a hub name is not downloaded); missing {missing}"
-            )
-        config = GPT2Config.from_hf_dict(json.loads(config_file.read_text()), **overrides)
-        tensors = {}
-        for f in files:
-            tensors.update(load_file(str(f)))
-        model = cls(config, device=device, dtype=dtype)
+        hf_config, tensors = read_checkpoint(path, "GPT2.from_pretrained")
+        model = cls(GPT2Config.from_hf_dict(hf_config, **overrides), device=device, dtype=dtype)
         model.load_state_dict(_from_hf_tensors(tensors, model))
         return model.eval()
 
@@ -418,18 +394,12 @@ class GPT2(torch.nn.Module):
         Args:
             path: a directory, created if needed.
         """
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
-        tensors = {}
-        for key, value in self.state_dict().items():
-            if key == "lm_head.weight":
-                continue
-            value = value.detach()
-            tensors[key] = (value.t() if key.endswith(_CONV1D) else value).contiguous().cpu()
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        tensors = {
+            key: value.t() if key.endswith(_CONV1D) else value
+            for key, value in self.state_dict().items()
+            if key != "lm_head.weight"
+        }
+        write_checkpoint(path, self.config.to_hf_dict(), tensors)
 
 
 def _from_hf_tensors(tensors: dict[str, torch.Tensor], model: GPT2) -> dict[str, torch.Tensor]:
