@@ -1,6 +1,6 @@
 """Imports run one way: each lstrain package imports only from the packages below it.
 
-The order, top to bottom: __main__ -> cli -> testing -> config -> train -> models -> layers
+The order, top to bottom: __main__ -> cli -> testing -> config -> train -> patch -> models -> layers
 -> nn -> ops / optim / data -> _backend. Packages of one layer (ops, optim, data) import
 none of each other. A new package takes its place in ``LAYERS`` before it can import
 anything.
@@ -22,6 +22,7 @@ LAYERS = [
     {"nn"},
     {"layers"},
     {"models"},
+    {"patch"},
     {"train"},
     {"config"},
     {"testing"},
