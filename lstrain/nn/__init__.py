@@ -7,6 +7,7 @@ from lstrain.nn.embedding import TransformerEmbedding, sinusoidal_positions
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.linear import Linear
 from lstrain.nn.linear_cross_entropy import LinearCrossEntropyLoss
+from lstrain.nn.rms_norm import RMSNorm
 from lstrain.nn.swiglu import SwiGLUMLP
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "LinearCrossEntropyLoss",
+    "RMSNorm",
     "SwiGLUMLP",
     "TransformerEmbedding",
     "sinusoidal_positions",

@@ -9,6 +9,7 @@ from lstrain.ops.embedding import embedding, embedding_ref
 from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
 from lstrain.ops.swiglu import swiglu_mlp, swiglu_mlp_ref
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "rms_norm",
+    "rms_norm_ref",
     "swiglu_mlp",
     "swiglu_mlp_ref",
 ]

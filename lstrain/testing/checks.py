@@ -32,9 +32,12 @@ from lstrain.ops import (
     layer_norm_ref,
     linear_cross_entropy,
     linear_cross_entropy_ref,
+    rms_norm,
+    rms_norm_ref,
     swiglu_mlp,
     swiglu_mlp_ref,
 )
+from lstrain.ops.rms_norm import default_eps
 from lstrain.testing.compare import DEFAULT_ATOL, Comparison, check_function
 from lstrain.testing.strategies import (
     FLOAT_DTYPES,
@@ -46,6 +49,7 @@ from lstrain.testing.strategies import (
     gemm_cases,
     layer_norm_cases,
     linear_cross_entropy_cases,
+    rms_norm_cases,
     swiglu_cases,
 )
 
@@ -107,6 +111,27 @@ def _run_layer_norm(case: dict, device: str) -> CheckResult:
         comparisons = check_function(
             run(layer_norm), run(layer_norm_ref), inputs, atol=_atol(dtype, device), generator=gen
         )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_rms_norm(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, shape = case["dtype"], case["normalized_shape"]
+    inputs = {"x": _randn(case["shape"], gen, device, dtype) * case["scale"]}
+    if case["weight"]:
+        inputs["weight"] = _randn(shape, gen, device, dtype, mean=1.0)
+    # The op takes eps None as is; the reference gets the number it stands for, since it
+    # also runs on fp64 copies, whose own default would differ.
+    eps = default_eps(dtype) if case["eps"] is None else case["eps"]
+
+    def op(**kw):
+        return rms_norm(kw["x"], shape, kw.get("weight"), case["eps"])
+
+    def reference(**kw):
+        return rms_norm_ref(kw["x"], shape, kw.get("weight"), eps)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(op, reference, inputs, atol=_atol(dtype, device), generator=gen)
     return CheckResult(comparisons, [b for _, b in ran])
 
 
@@ -329,6 +354,7 @@ def _run_swiglu(case: dict, device: str) -> CheckResult:
 
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
+    "rms_norm": OpCheck("rms_norm", rms_norm_cases, _run_rms_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
     "linear_cross_entropy": OpCheck(

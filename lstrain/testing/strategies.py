@@ -29,6 +29,7 @@ __all__ = [
     "layer_norm_cases",
     "linear_cross_entropy_cases",
     "register_profiles",
+    "rms_norm_cases",
     "row_widths",
     "seeds",
     "swiglu_cases",
@@ -128,6 +129,31 @@ def layer_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None
         "bias": draw(st.booleans()),
         "eps": draw(st.sampled_from([1e-5, 1e-6, 1e-3])),
         "mean": draw(st.sampled_from([0.0, 0.0, 3.0])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def rms_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """An RMSNorm case: shapes, dtype (any, or the one given), weight flag, eps and a seed.
+
+    ``eps`` None is torch's default; ``scale`` shrinks some inputs until eps matters.
+    """
+    limits = size_limits(device)
+    long_row = draw(st.integers(0, 9)) == 0
+    cols = draw(st.integers(limits["cols"] + 1, limits["long_cols"])) if long_row else draw(row_widths(limits["cols"]))
+    leading = draw(st.lists(st.integers(1, 4), min_size=0, max_size=2))
+    rows = draw(st.integers(1, limits["rows"] if not long_row else 3))
+    normalized = (cols,)
+    if cols % 2 == 0 and cols > 2 and draw(st.booleans()):
+        normalized = (2, cols // 2)
+    return {
+        "shape": (*leading, rows, *normalized),
+        "normalized_shape": normalized,
+        "dtype": dtype or draw(dtypes()),
+        "weight": draw(st.booleans()),
+        "eps": draw(st.sampled_from([None, 1e-5, 1e-6])),
+        "scale": draw(st.sampled_from([1.0, 1.0, 1e-3])),
         "seed": draw(seeds()),
     }
 

@@ -1,0 +1,463 @@
+"""RMSNorm over the trailing dims: y = x / sqrt(mean(x^2) + eps) * weight.
+
+Forward: one program normalises a tile of rows held in registers (rows longer than
+``MAX_TILE_COLS_FWD`` are streamed in chunks, two passes over the row, the re-read served
+by L2). rstd is kept in fp32 for backward, one value per row. There is no mean to
+subtract, so no cancellation to guard against: the sum of squares is accurate in fp32.
+
+Backward: a persistent grid; each program walks a fixed set of rows, writes dx, and
+accumulates dweight in fp32 registers (or in its own fp32 row of a partials buffer for
+chunked rows). :func:`~lstrain.ops._lib.partial_sums.sum_partials` adds the per-program
+partials in a fixed order, so dweight is deterministic without atomics.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+from lstrain.ops._lib.custom_op import kernel_op
+from lstrain.ops._lib.first_order import refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.options import float_option
+from lstrain.ops._lib.partial_sums import sum_partials
+
+__all__ = [
+    "RMSNormFunction",
+    "RMSNormPlan",
+    "default_eps",
+    "rms_norm",
+    "rms_norm_bwd",
+    "rms_norm_bwd_plan",
+    "rms_norm_fwd",
+    "rms_norm_fwd_plan",
+    "rms_norm_ref",
+]
+
+# Longest row (power of two) kept whole in registers; longer rows are chunked.
+MAX_TILE_COLS_FWD = 16384
+MAX_TILE_COLS_BWD = 8192
+_CHUNK_COLS = 4096
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    y_ptr,
+    weight_ptr,
+    rstd_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    y_row_stride,
+    inv_cols,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = row < rows
+    col = tl.arange(0, BLOCK_COLS)
+    x_rows = x_ptr + row[:, None] * x_row_stride
+    y_rows = y_ptr + row[:, None] * y_row_stride
+    eps = tl.cast(eps, tl.float32)
+    inv_cols = tl.cast(inv_cols, tl.float32)
+    if SINGLE_TILE:
+        mask = row_ok[:, None] & (col < cols)[None, :]
+        x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_cols + eps)
+        y = x * rstd[:, None]
+        if HAS_WEIGHT:
+            y *= tl.load(weight_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_rows + col[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        squares = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for start in range(0, cols, BLOCK_COLS):
+            mask = row_ok[:, None] & (start + col < cols)[None, :]
+            x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            squares += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) * inv_cols + eps)
+        for start in range(0, cols, BLOCK_COLS):
+            col_ok = start + col < cols
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = x * rstd[:, None]
+            if HAS_WEIGHT:
+                y *= tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_rows + start + col[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    x_ptr,
+    dy_ptr,
+    dx_ptr,
+    weight_ptr,
+    rstd_ptr,
+    partial_ptr,
+    rows,
+    cols,
+    x_row_stride,
+    dy_row_stride,
+    dx_row_stride,
+    inv_cols,
+    HAS_WEIGHT: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    inv_cols = tl.cast(inv_cols, tl.float32)
+    programs = tl.num_programs(0)
+    col = tl.arange(0, BLOCK_COLS)
+    # Partials layout: [programs, cols] fp32, this program's row.
+    weight_partial = partial_ptr + pid.to(tl.int64) * cols
+    if SINGLE_TILE:
+        col_ok = col < cols
+        if HAS_WEIGHT:
+            weight = tl.load(weight_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        weight_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        # Pipelining the loop keeps the next rows' loads in flight during this row's math.
+        for first in tl.range(pid * BLOCK_ROWS, rows, programs * BLOCK_ROWS, num_stages=NUM_STAGES):
+            row = tl.arange(0, BLOCK_ROWS).to(tl.int64) + first
+            row_ok = row < rows
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + row[:, None] * x_row_stride + col[None, :], mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + row[:, None] * dy_row_stride + col[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+            rstd = tl.load(rstd_ptr + row, mask=row_ok, other=0.0)
+            x_hat = x * rstd[:, None]
+            w_dy = dy * weight if HAS_WEIGHT else dy
+            c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
+            dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + row[:, None] * dx_row_stride + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WEIGHT_GRAD:
+                weight_acc += dy * x_hat
+        if WEIGHT_GRAD:
+            tl.store(weight_partial + col, tl.sum(weight_acc, axis=0), mask=col_ok)
+    else:
+        # Chunked rows: each program owns its partials row, so read-add-write there is
+        # race free and the summation order fixed. The launcher zeroes the partials.
+        for row_index in range(pid, rows, programs):
+            row = tl.cast(row_index, tl.int64)
+            x_row = x_ptr + row * x_row_stride
+            dy_row = dy_ptr + row * dy_row_stride
+            rstd = tl.load(rstd_ptr + row)
+            c1_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, cols, BLOCK_COLS):
+                col_ok = start + col < cols
+                x = tl.load(x_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    dy *= tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                c1_acc += x * rstd * dy
+            c1 = tl.sum(c1_acc, axis=0) * inv_cols
+            for start in range(0, cols, BLOCK_COLS):
+                col_ok = start + col < cols
+                x = tl.load(x_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                x_hat = x * rstd
+                w_dy = dy
+                if HAS_WEIGHT:
+                    w_dy = dy * tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)
+                dx = (w_dy - x_hat * c1) * rstd
+                tl.store(dx_ptr + row * dx_row_stride + start + col, dx.to(dx_ptr.dtype.element_ty), mask=col_ok)
+                if WEIGHT_GRAD:
+                    acc = tl.load(weight_partial + start + col, mask=col_ok, other=0.0)
+                    tl.store(weight_partial + start + col, acc + dy * x_hat, mask=col_ok)
+
+
+@dataclass(frozen=True)
+class RMSNormPlan:
+    """Launch settings of an RMSNorm kernel.
+
+    ``single_tile`` keeps a whole row in registers (``block_cols`` >= cols); otherwise
+    rows are streamed in chunks of ``block_cols`` and ``block_rows`` is 1.
+    ``programs_per_sm`` sizes the persistent backward grid and ``num_stages`` pipelines
+    its row loop (both unused by forward).
+    """
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    single_tile: bool
+    programs_per_sm: int = 1
+    num_stages: int = 1
+
+
+@functools.cache
+def rms_norm_fwd_plan(cols: int) -> RMSNormPlan:
+    """Forward launch settings for rows of ``cols`` elements (a pure function).
+
+    LayerNorm's forward ladder (same memory traffic per row, one reduction fewer): 4 warps
+    holding 16-64 values per thread, short rows several to a program.
+    """
+    block_cols = triton.next_power_of_2(cols)
+    if block_cols > MAX_TILE_COLS_FWD:
+        return RMSNormPlan(1, _CHUNK_COLS, 4, single_tile=False)
+    if block_cols <= 1024:
+        return RMSNormPlan(min(128, 2048 // block_cols), block_cols, 4, single_tile=True)
+    block_rows = max(1, 8192 // block_cols)
+    return RMSNormPlan(block_rows, block_cols, max(4, block_rows * block_cols // 2048), single_tile=True)
+
+
+@functools.cache
+def rms_norm_bwd_plan(
+    cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
+) -> RMSNormPlan:
+    """Backward launch settings for rows of ``cols`` elements of ``element_size`` bytes on a
+    device with ``shared_memory`` bytes per program (a pure function).
+
+    LayerNorm's backward ladder: a persistent grid, its row loop pipelined up to 3 deep,
+    few programs per SM to keep the fp32 dweight partials small. The pipeline holds x, dy
+    and rstd of the tiles ahead in shared memory; where that does not fit the device, the
+    pipeline gets shallower.
+    """
+    block_cols = triton.next_power_of_2(cols)
+    if block_cols > MAX_TILE_COLS_BWD:
+        return RMSNormPlan(1, _CHUNK_COLS, 8, single_tile=False, programs_per_sm=2)
+    warps = 4 if block_cols <= 2048 else 8
+    programs_per_sm = 2 if block_cols <= 4096 else 1
+    block_rows = max(1, 4096 // block_cols)
+    tile_bytes = block_rows * (2 * block_cols * element_size + 4)
+    stages = 3
+    while stages > 1 and (stages - 1) * tile_bytes > shared_memory:
+        stages -= 1
+    return RMSNormPlan(block_rows, block_cols, warps, True, programs_per_sm, num_stages=stages)
+
+
+def rms_norm_fwd(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    eps: float,
+    plan: RMSNormPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs.
+
+    Args:
+        x, normalized_shape, weight: as for :func:`rms_norm` (weight contiguous).
+        eps: the resolved eps (a Python float).
+        plan: launch settings (default: :func:`rms_norm_fwd_plan` of the row width).
+
+    Returns:
+        ``(y, rstd)``: y shaped and typed like ``x`` (contiguous); rstd fp32 [rows].
+    """
+    cols = math.prod(normalized_shape)
+    x2d = as_rows(x, cols)
+    # Counted from the leading dims, as the fake kernel does, so that zero-width rows agree.
+    rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows == 0 or cols == 0:
+        return y, rstd
+    plan = plan or rms_norm_fwd_plan(cols)
+    _rms_norm_fwd_kernel[(cdiv(rows, plan.block_rows),)](
+        x2d, y, weight, rstd,
+        rows, cols, x2d.stride(0), cols, 1.0 / cols, eps,
+        HAS_WEIGHT=weight is not None,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        SINGLE_TILE=plan.single_tile,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    return y, rstd
+
+
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight_grad: bool,
+    plan: RMSNormPlan | None = None,
+) -> list[torch.Tensor]:
+    """Launch the backward kernels.
+
+    Args:
+        dy: the upstream gradient, shaped like ``x``.
+        x, weight, normalized_shape: as given to :func:`rms_norm_fwd`.
+        rstd: the fp32 [rows] statistics :func:`rms_norm_fwd` returned.
+        weight_grad: whether to compute dweight.
+        plan: launch settings (default: :func:`rms_norm_bwd_plan` for the shape and device).
+
+    Returns:
+        ``[dx]``, followed by dweight (in ``weight``'s dtype) if ``weight_grad``.
+    """
+    cols = math.prod(normalized_shape)
+    x2d = as_rows(x, cols)
+    dy2d = as_rows(dy, cols)
+    rows = x2d.shape[0]
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
+    if weight_grad:
+        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
+    if cols == 0:
+        return grads
+    device = _backend.device_index(x)
+    plan = plan or rms_norm_bwd_plan(cols, x.element_size(), _backend.shared_memory_per_program(device))
+    sms = _backend.multiprocessor_count(device)
+    programs = max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm))
+    alloc = torch.empty if plan.single_tile else torch.zeros
+    partials = alloc((int(weight_grad), programs, cols), dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(programs,)](
+        x2d, dy2d, grads[0], weight, rstd, partials,
+        rows, cols, x2d.stride(0), dy2d.stride(0), cols, 1.0 / cols,
+        HAS_WEIGHT=weight is not None,
+        WEIGHT_GRAD=weight_grad,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        SINGLE_TILE=plan.single_tile,
+        NUM_STAGES=plan.num_stages,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    if weight_grad:
+        sum_partials(partials, grads[1:])
+    return grads
+
+
+@kernel_op("rms_norm_fwd", rms_norm_fwd)
+def rms_norm_fwd_op(
+    x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((rows,), dtype=torch.float32)
+
+
+@kernel_op("rms_norm_bwd", rms_norm_bwd)
+def rms_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    normalized_shape: list[int],
+    weight_grad: bool,
+) -> list[torch.Tensor]:
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format)]
+    if weight_grad:
+        grads.append(x.new_empty(normalized_shape, dtype=weight.dtype))
+    return grads
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd for :func:`rms_norm`; saves x, weight and the fp32 rstd."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        y, rstd = rms_norm_fwd_op(x, normalized_shape, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.normalized_shape = normalized_shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        refuse_create_graph("rms_norm")
+        x, weight, rstd = ctx.saved_tensors
+        weight_grad = ctx.needs_input_grad[2]
+        grads = rms_norm_bwd_op(dy, x, weight, rstd, ctx.normalized_shape, weight_grad)
+        return grads[0], None, grads[1] if weight_grad else None, None
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """The eps :func:`torch.nn.functional.rms_norm` uses when given None.
+
+    Its documentation says ``torch.finfo(x.dtype).eps``, but it computes in the dtype's
+    math type and takes that type's eps: fp32's for fp16 and bf16 (checked against torch
+    2.13, whose bf16 and fp16 outputs match fp32 eps, not bf16's 2**-7).
+
+    Args:
+        dtype: the input's dtype.
+
+    Returns:
+        ``torch.finfo`` eps of ``dtype`` promoted to at least fp32.
+    """
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """Root-mean-square normalisation over the trailing ``normalized_shape`` dims of ``x``.
+
+    Same semantics as :func:`torch.nn.functional.rms_norm`; the statistics and all
+    arithmetic are fp32 whatever the input dtype, with one rounding at the store.
+
+    Args:
+        x: input of shape ``[*, *normalized_shape]``, float32, float16 or bfloat16; any
+            leading shape (0 rows included). Only the last dim needs to be contiguous.
+        normalized_shape: the trailing dims to normalise over (an int or a sequence).
+        weight: optional scale of shape ``normalized_shape``; may have a different float
+            dtype from ``x`` (e.g. fp32 weights with bf16 activations).
+        eps: added to the mean square before the square root; None takes torch's
+            default (:func:`default_eps`: fp32's machine epsilon for all three dtypes).
+
+    Returns:
+        The normalised tensor, same shape and dtype as ``x`` (contiguous).
+
+    Raises:
+        ValueError: ``x`` does not end in ``normalized_shape`` or has an unsupported
+            dtype, ``weight`` has the wrong shape, dtype or device, or ``eps`` is
+            negative or not finite (it may be a Python or numpy scalar or a 0-d CPU tensor).
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape) :]) != shape:
+        raise ValueError(f"rms_norm: x has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"rms_norm: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    if weight is not None:
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected normalized_shape {shape}")
+        if weight.device != x.device:
+            raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
+        if weight.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"rms_norm: weight has dtype {weight.dtype}; expected float32, float16 or bfloat16")
+    eps = default_eps(x.dtype) if eps is None else float_option("rms_norm", "eps", eps, 0)
+    backend = _backend.backend_for(x)
+    _backend.note("rms_norm", backend)
+    if backend == "reference":
+        return rms_norm_ref(x, shape, weight, eps)
+    return RMSNormFunction.apply(x, list(shape), contiguous_or_none(weight), eps)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """RMSNorm in plain PyTorch, computed in fp32 (fp64 for fp64 input) as torch's own is,
+    with one rounding to ``x.dtype`` at the end.
+
+    Args:
+        x, normalized_shape, weight, eps: as for :func:`rms_norm` (eps None: torch's
+            default for ``x.dtype``; x may also be fp64).
+
+    Returns:
+        The normalised tensor, shaped and typed like ``x``.
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    eps = default_eps(x.dtype) if eps is None else eps
+    dims = tuple(range(-len(shape), 0))
+    upcast = x.to(compute)
+    y = upcast * torch.rsqrt(upcast.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(compute)
+    return y.to(x.dtype)
