@@ -46,7 +46,7 @@ __all__ = [
 # Longest row (power of two) kept whole in registers; longer rows are chunked.
 MAX_TILE_COLS_FWD = 16384
 MAX_TILE_COLS_BWD = 8192
-_CHUNK_COLS = 4096
+CHUNK_COLS = 4096
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -251,7 +251,7 @@ def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
     """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_FWD:
-        return LayerNormPlan(1, _CHUNK_COLS, 4, single_tile=False)
+        return LayerNormPlan(1, CHUNK_COLS, 4, single_tile=False)
     if block_cols <= 1024:
         return LayerNormPlan(min(128, 2048 // block_cols), block_cols, 4, single_tile=True)
     block_rows = max(1, 8192 // block_cols)
@@ -274,7 +274,7 @@ def layer_norm_bwd_plan(
     """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_BWD:
-        return LayerNormPlan(1, _CHUNK_COLS, 8, single_tile=False, programs_per_sm=2)
+        return LayerNormPlan(1, CHUNK_COLS, 8, single_tile=False, programs_per_sm=2)
     warps = 4 if block_cols <= 2048 else 8
     programs_per_sm = 2 if block_cols <= 4096 else 1
     block_rows = max(1, 4096 // block_cols)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,10 +27,10 @@ from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
+from lstrain.ops.layer_norm import CHUNK_COLS, MAX_TILE_COLS_BWD, LayerNormPlan, layer_norm_fwd_plan
 
 __all__ = [
     "RMSNormFunction",
-    "RMSNormPlan",
     "default_eps",
     "rms_norm",
     "rms_norm_bwd",
@@ -41,10 +40,6 @@ __all__ = [
     "rms_norm_ref",
 ]
 
-# Longest row (power of two) kept whole in registers; longer rows are chunked.
-MAX_TILE_COLS_FWD = 16384
-MAX_TILE_COLS_BWD = 8192
-_CHUNK_COLS = 4096
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -181,44 +176,16 @@ def _rms_norm_bwd_kernel(
                     tl.store(weight_partial + start + col, acc + dy * x_hat, mask=col_ok)
 
 
-@dataclass(frozen=True)
-class RMSNormPlan:
-    """Launch settings of an RMSNorm kernel.
-
-    ``single_tile`` keeps a whole row in registers (``block_cols`` >= cols); otherwise
-    rows are streamed in chunks of ``block_cols`` and ``block_rows`` is 1.
-    ``programs_per_sm`` sizes the persistent backward grid and ``num_stages`` pipelines
-    its row loop (both unused by forward).
-    """
-
-    block_rows: int
-    block_cols: int
-    num_warps: int
-    single_tile: bool
-    programs_per_sm: int = 1
-    num_stages: int = 1
-
-
-@functools.cache
-def rms_norm_fwd_plan(cols: int) -> RMSNormPlan:
-    """Forward launch settings for rows of ``cols`` elements (a pure function).
-
-    LayerNorm's forward ladder (same memory traffic per row, one reduction fewer): 4 warps
-    holding 16-64 values per thread, short rows several to a program.
-    """
-    block_cols = triton.next_power_of_2(cols)
-    if block_cols > MAX_TILE_COLS_FWD:
-        return RMSNormPlan(1, _CHUNK_COLS, 4, single_tile=False)
-    if block_cols <= 1024:
-        return RMSNormPlan(min(128, 2048 // block_cols), block_cols, 4, single_tile=True)
-    block_rows = max(1, 8192 // block_cols)
-    return RMSNormPlan(block_rows, block_cols, max(4, block_rows * block_cols // 2048), single_tile=True)
+# RMSNorm moves LayerNorm's bytes per row with one reduction fewer: its forward runs on
+# LayerNorm's launch ladder (4 warps holding 16-64 values per thread, short rows several
+# to a program, rows over MAX_TILE_COLS_FWD chunked).
+rms_norm_fwd_plan = layer_norm_fwd_plan
 
 
 @functools.cache
 def rms_norm_bwd_plan(
     cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
-) -> RMSNormPlan:
+) -> LayerNormPlan:
     """Backward launch settings for rows of ``cols`` elements of ``element_size`` bytes on a
     device with ``shared_memory`` bytes per program (a pure function).
 
@@ -229,7 +196,7 @@ def rms_norm_bwd_plan(
     """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_BWD:
-        return RMSNormPlan(1, _CHUNK_COLS, 8, single_tile=False, programs_per_sm=2)
+        return LayerNormPlan(1, CHUNK_COLS, 8, single_tile=False, programs_per_sm=2)
     warps = 4 if block_cols <= 2048 else 8
     programs_per_sm = 2 if block_cols <= 4096 else 1
     block_rows = max(1, 4096 // block_cols)
@@ -237,7 +204,7 @@ def rms_norm_bwd_plan(
     stages = 3
     while stages > 1 and (stages - 1) * tile_bytes > shared_memory:
         stages -= 1
-    return RMSNormPlan(block_rows, block_cols, warps, True, programs_per_sm, num_stages=stages)
+    return LayerNormPlan(block_rows, block_cols, warps, True, programs_per_sm, num_stages=stages)
 
 
 def rms_norm_fwd(
@@ -245,7 +212,7 @@ def rms_norm_fwd(
     normalized_shape: Sequence[int],
     weight: torch.Tensor | None,
     eps: float,
-    plan: RMSNormPlan | None = None,
+    plan: LayerNormPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs.
 
@@ -285,7 +252,7 @@ def rms_norm_bwd(
     rstd: torch.Tensor,
     normalized_shape: Sequence[int],
     weight_grad: bool,
-    plan: RMSNormPlan | None = None,
+    plan: LayerNormPlan | None = None,
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 

@@ -5,7 +5,8 @@ from hypothesis import example, given
 import lstrain
 from lstrain import _backend
 from lstrain.ops import rms_norm, rms_norm_ref
-from lstrain.ops.rms_norm import MAX_TILE_COLS_BWD, MAX_TILE_COLS_FWD, rms_norm_bwd_plan, rms_norm_fwd_plan
+from lstrain.ops.layer_norm import MAX_TILE_COLS_BWD, MAX_TILE_COLS_FWD
+from lstrain.ops.rms_norm import rms_norm_bwd_plan, rms_norm_fwd_plan
 from lstrain.testing import assert_all_passed, check_module
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import rms_norm_cases
