@@ -309,55 +309,6 @@ def lstrain_step(model: torch.nn.Module, workload: Workload, device: torch.devic
     return step
 
 
-class CapturedStep:
-    """A step captured whole in one CUDA graph on its first call, replayed on every call.
-
-    The first call copies the batch into static buffers, runs ``CAPTURE_WARMUP`` eager steps
-    on a side stream (so that lazily allocated state, the optimizer's included, exists and
-    the graph records steady-state work), captures one step and replays it. Every call
-    copies its batch into the static buffers and replays. The dropout seeds advance per
-    replay (torch's and lstrain's Philox offsets are registered with the graph).
-
-    Args:
-        step: the eager step; it must not synchronise with the host.
-    """
-
-    def __init__(self, step: StepFn) -> None:
-        self.step = step
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def _capture(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        self.input_ids, self.labels = input_ids.clone(), labels.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(CAPTURE_WARMUP):
-                self.step(self.input_ids, self.labels)
-        torch.cuda.current_stream().wait_stream(side)
-        _phase("capture")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.loss = self.step(self.input_ids, self.labels)
-        self.graph = graph
-
-    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One step on this batch: copied into the static buffers, the graph replayed.
-
-        Args:
-            input_ids: the batch's tokens, the static buffers' shape.
-            labels: its labels.
-
-        Returns:
-            The step's loss (a copy: the graph overwrites its own at the next replay).
-        """
-        if self.graph is None:
-            self._capture(input_ids, labels)
-        self.input_ids.copy_(input_ids)
-        self.labels.copy_(labels)
-        self.graph.replay()
-        return self.loss.clone()
-
-
 @dataclass(frozen=True)
 class Variant:
     """One way to train a workload: how to build its model and step, and what it needs."""
@@ -377,7 +328,10 @@ class Variant:
 
 
 def _captured(model: torch.nn.Module, workload: Workload, device: torch.device) -> StepFn:
-    return CapturedStep(lstrain_step(model, workload, device, compiled=False))
+    from lstrain.train import CapturedStep
+
+    # restore=(): the warm-up steps may train here, the batches are random
+    return CapturedStep(lstrain_step(model, workload, device, compiled=False), restore=(), warmup=CAPTURE_WARMUP)
 
 
 VARIANTS = {

@@ -108,6 +108,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     buffers (no memory for their state); if one later requires grad and has a gradient at a
     step, the buffers are rebuilt around it, keeping every parameter's state (as after
     :meth:`add_param_group`).
+
+    ``generation`` counts the reallocations of the device tensors a step reads (the flat
+    buffers, the hyperparameters): a captured CUDA graph of a step is valid while it stays.
     """
 
     HYPER: tuple[str, ...] = ()
@@ -168,6 +171,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 "before importing lstrain) or a CUDA device; the update is a Triton kernel"
             )
         self.flat = FlatParameters(groups)
+        self.generation = self.__dict__.get("generation", -1) + 1
         for p in detached:
             p.grad = None  # a parameter without a gradient keeps having none
         device = self.flat.device
@@ -295,10 +299,26 @@ class FlatOptimizer(torch.optim.Optimizer):
             shape = (len(self.HYPER), len(self.param_groups))
             if self._hyper is None or tuple(self._hyper.shape) != shape:
                 self._hyper = torch.empty(shape, dtype=torch.float64, device=self.flat.device)
+                self.generation += 1
             # fp64: the kernels derive their per-step scalars from these as torch derives them
             # from Python floats
             self._hyper.copy_(torch.tensor(values, dtype=torch.float64).t(), non_blocking=True)
             self._hyper_values = values
+
+    def before_replay(self) -> None:
+        """What :meth:`step` does on the host before its kernels, for a step replayed from a
+        CUDA graph, whose Python code does not run: the parameter checks (a moved parameter
+        is an error, a stray ``.grad`` is copied into the flat buffer, a master weight
+        follows an in-place write of its parameter) and the hyperparameters' device copy (a
+        scheduler's new lr reaches the captured kernels). :class:`lstrain.train.CapturedStep`
+        calls it before every replay; :attr:`generation` then tells it whether the device
+        tensors the graph reads were reallocated.
+
+        Raises:
+            RuntimeError: as :meth:`step`.
+        """
+        self._check_params()
+        self._sync_hyperparameters()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's API); after construction the flat buffers are rebuilt to

@@ -2,9 +2,11 @@
 
 ``train(RunConfig(...))`` trains in this process, or as one rank of a ``torchrun`` job
 (data parallel over the flat gradient buffers); :mod:`lstrain.config` builds the
-``RunConfig`` from a TOML recipe.
+``RunConfig`` from a TOML recipe. ``CapturedStep`` replays any training step from one
+CUDA graph.
 """
 
+from lstrain.train.capture import CapturedStep, CaptureError
 from lstrain.train.config import (
     CheckpointConfig,
     EvalConfig,
@@ -20,6 +22,8 @@ from lstrain.train.loop import Summary, train
 from lstrain.train.schedule import lr_factor
 
 __all__ = [
+    "CaptureError",
+    "CapturedStep",
     "CheckpointConfig",
     "EvalConfig",
     "LRSchedulerConfig",

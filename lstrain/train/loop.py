@@ -10,7 +10,6 @@ captured step) are written but have not run yet: they wait for a GPU session.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -31,6 +30,7 @@ from lstrain import _backend
 from lstrain.models import GPT2
 from lstrain.optim import FlatParameters, FusedAdamW, LossScaler
 from lstrain.train import checkpoint as ckpt
+from lstrain.train.capture import CapturedStep
 from lstrain.train.config import RunConfig
 from lstrain.train.metrics import MetricsLog, plot_losses
 from lstrain.train.schedule import lr_factor
@@ -199,7 +199,7 @@ class _Stepper:
         self.max_norm = max_norm
         self.scaler = LossScaler(device=world.device) if training.mixed_precision == "fp16" else None
         self.forward = torch.compile(model) if training.compile else model
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: CapturedStep | None = None
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -242,34 +242,10 @@ class _Stepper:
             self.optimizer.step()
         return total / self.accumulation
 
-    def snapshot(self) -> dict:
-        """Copies of everything a step changes: model, optimizer, scaler, RNG."""
-        return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "rng": _rng_state(),
-        }
-
-    def restore(self, saved: dict) -> None:
-        """Undo the steps since :meth:`snapshot` (in place: the flat buffers stay)."""
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(saved["scaler"])
-        _set_rng_state(saved["rng"])
-
     def captured(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The step as one CUDA graph: captured at the first call, replayed after.
-
-        The first call copies the batches into static buffers, runs ``CAPTURE_WARMUP``
-        eager steps on a side stream (lazily allocated state, the optimizer's included,
-        then exists, and the graph records steady-state work), restores the model,
-        optimizer, scaler and RNG to what they were before the warm-up, captures one step
-        and replays it. Each later call copies its batches into the static buffers,
-        writes the learning rate to the optimizer's device copy of its hyperparameters
-        and replays. Written after ``benchmarks/e2e.py``'s ``CapturedStep`` (measured on
-        an H200); this training version has not run on a GPU yet.
+        """The step replayed from one CUDA graph (:class:`lstrain.train.CapturedStep`,
+        captured at the first call; the warm-up steps undone on the model, optimizer,
+        scaler and RNG).
 
         Returns:
             The step's mean micro-batch loss (a copy: the next replay overwrites it).
@@ -280,27 +256,9 @@ class _Stepper:
         if any("attention_mask" in b for b in batches):
             raise ValueError("cuda_graphs: batches with padding are not supported (the captured step has no mask)")
         if self.graph is None:
-            self.static = [{k: v.clone() for k, v in b.items()} for b in batches]
-            saved = self.snapshot()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(CAPTURE_WARMUP):
-                    self.eager(self.static)
-            torch.cuda.current_stream().wait_stream(side)
-            self.restore(saved)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.static_loss = self.eager(self.static)
-            self.graph = graph
-        for static, batch in zip(self.static, batches, strict=True):
-            for key, value in batch.items():
-                static[key].copy_(value, non_blocking=True)
-        # outside the graph the step's Python code does not run: write the new lr to the
-        # device tensor the captured kernel reads
-        self.optimizer._sync_hyperparameters()
-        self.graph.replay()
-        return self.static_loss.clone()
+            restore = (self.model, self.optimizer) + ((self.scaler,) if self.scaler else ())
+            self.graph = CapturedStep(self.eager, restore=restore, warmup=CAPTURE_WARMUP)
+        return self.graph(batches)
 
     def state_dict(self) -> dict:
         return {

@@ -173,7 +173,7 @@ def test_a_captured_step_replays_the_eager_steps():
     torch.manual_seed(0)
     eager = e2e.lstrain_step(_Toy(tiny.vocab_size), tiny, cuda, compiled=False)
     torch.manual_seed(0)
-    captured = e2e.CapturedStep(e2e.lstrain_step(_Toy(tiny.vocab_size), tiny, cuda, compiled=False))
+    captured = e2e.VARIANTS["lstrain-captured"].make_step(_Toy(tiny.vocab_size), tiny, cuda)
     expected = [eager(*batches[0]) for _ in range(e2e.CAPTURE_WARMUP + 1)][-1:] + [eager(*b) for b in batches[1:]]
     got = [captured(*b) for b in batches]
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-5)

@@ -15,11 +15,15 @@ def test_bpe_round_trips_stdlib_text(stdlib_config):
     assert tokenizer.kind == "bpe" and MIN_BPE_VOCAB < tokenizer.vocab_size <= stdlib_config.vocab_size
     # files the BPE trained on and files it did not: the first and the last of the library's order
     files = select_files("python-stdlib", None)
+    tokens = text_bytes = 0
     for document in read_documents(files[:3] + files[-3:]):
         text = "".join(document)
         ids = tokenizer.encode(text)
         assert tokenizer.decode(ids) == text
-        assert len(ids) < len(text.encode()) / 1.5  # it did learn merges
+        tokens, text_bytes = tokens + len(ids), text_bytes + len(text.encode())
+    # it did learn merges (over all six files: one short file of another Python's library
+    # may hold few of them)
+    assert tokens < text_bytes / 1.5
     assert tokenizer.decode(tokenizer.encode(ODD_TEXT)) == ODD_TEXT
 
 

@@ -230,7 +230,7 @@ def test_bad_input_is_named():
     ]
     for input_ids, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            model(input_ids, **kwargs)  # CPU tensors are checked by default
+            model(input_ids, **kwargs, check_ids=True)  # the default on CPU tensors only
     assert torch.isfinite(model(ids, labels=_with(torch.full_like(ids, -100), (0, 3), 5)).loss)  # -100 is fine
 
 

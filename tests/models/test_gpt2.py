@@ -233,12 +233,6 @@ def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="issue 29: on the H200 fake-tensor propagation failed in linear_cross_entropy's addmm(out_dtype=) "
-    "(that path is now skipped under torch.compile, not yet re-run), and compiling the whole fused GPT-2 "
-    "medium outlasted 100 s in the e2e benchmark",
-    strict=False,
-)
 def test_torch_compile_fullgraph_on_the_gpu():
     fused, _ = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
     ids, labels, mask = batch(MEDIUM["vocab_size"], size=(2, 256), device="cuda")

@@ -11,7 +11,7 @@ import torch
 
 from lstrain.optim import FusedAdamW, FusedSGD, LossScaler
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.large_memory]
 
 NUMEL = 2**31 + 4096
 MARKED = [0, 2**31 - 1, 2**31, 2**31 + 1000, NUMEL - 1]  # either side of 2**31, and the last

@@ -16,8 +16,10 @@ from lstrain.nn import LayerNorm
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 101
-# fp32 throughout: the patched model's kernels and HF's torch ops differ by a few fp32 ulp.
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 throughout: the patched model's kernels and HF's torch ops differ by a few fp32 ulp
+# (on a GPU, reductions in another order: a few more).
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6} if DEVICE == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _gpt2(cls=None):
@@ -26,7 +28,7 @@ def _gpt2(cls=None):
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
     )  # fmt: skip
     torch.manual_seed(0)
-    return (cls or transformers.GPT2LMHeadModel)(config)
+    return (cls or transformers.GPT2LMHeadModel)(config).to(DEVICE)
 
 
 def _bert(cls=None):
@@ -40,7 +42,7 @@ def _bert(cls=None):
     if cls is None:  # HF initialises the decoder bias to zero; a nonzero one is checked too
         with torch.no_grad():
             model.cls.predictions.bias.normal_()
-    return model
+    return model.to(DEVICE)
 
 
 def _batch(masked: bool):
@@ -49,7 +51,7 @@ def _batch(masked: bool):
     labels = input_ids.clone()
     ignored = torch.rand(labels.shape, generator=generator) < (0.7 if masked else 0.2)
     labels[ignored] = -100
-    return input_ids, labels
+    return input_ids.to(DEVICE), labels.to(DEVICE)
 
 
 MODELS = {"gpt2": (_gpt2, False, 5), "bert": (_bert, True, 6)}  # builder, masked labels, LayerNorms
@@ -92,7 +94,7 @@ def test_num_items_in_batch_matches_hf(name):
     lstrain.patch(model)
     input_ids, labels = _batch(masked)
     # As under gradient accumulation: the kept tokens of all micro-batches, more than this one's.
-    num_items = torch.tensor(int((labels != -100).sum()) + 7)
+    num_items = torch.tensor(int((labels != -100).sum()) + 7, device=DEVICE)
     expected = reference(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
     got = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
     torch.testing.assert_close(got, expected, **TOLERANCE)

@@ -6,6 +6,7 @@ import torch
 from lstrain import _backend
 from lstrain.data import build_data
 from lstrain.models import GPT2
+from lstrain.train.capture import rewind, snapshot
 from lstrain.train.loop import _Stepper, _to_device, _World
 from tests.train.helpers import micro_run
 
@@ -27,10 +28,10 @@ def test_warm_up_steps_are_undone_before_the_capture(tmp_path):
     data = build_data(run.data, seq_len=32, seed=0)
     batches = [_to_device(data.train.batch(m, 2), torch.device("cpu")) for m in range(2)]
     fresh, warmed = _stepper(run), _stepper(run)
-    saved = warmed.snapshot()
+    saved = snapshot((warmed.model, warmed.optimizer))
     for _ in range(3):
         warmed.eager(batches)
-    warmed.restore(saved)
+    rewind((warmed.model, warmed.optimizer), saved)
     torch.manual_seed(7)
     expected = fresh.eager(batches)
     torch.manual_seed(7)
