@@ -9,10 +9,12 @@ from lstrain import _backend
 from lstrain.models import GPT2, GPT2Config
 from lstrain.train import RunConfig, train
 from lstrain.train import checkpoint as ckpt
+from tests.conftest import DEVICE
 from tests.train.helpers import micro_run
 
 pytestmark = pytest.mark.skipif(
-    not _backend.interpreter_active(), reason="FusedAdamW on the CPU needs the Triton interpreter: a CPU-only run"
+    not (torch.cuda.is_available() or _backend.interpreter_active()),
+    reason="FusedAdamW on the CPU needs the Triton interpreter",
 )
 
 
@@ -28,7 +30,7 @@ def test_a_micro_run_writes_metrics_checkpoints_and_the_loss_curve(tmp_path):
     assert summary.steps == 2 and summary.tokens == 2 * 2 * 32
     assert set(summary.losses) == {1, 2} and all(0 < v < 10 for v in summary.losses.values())
     assert summary.eval_loss is not None and isinstance(summary.sample, str)
-    assert summary.tflops > 0 and summary.mfu is None  # MFU only against a GPU's datasheet peak
+    assert summary.tflops > 0 and (summary.mfu is None) == (DEVICE == "cpu")  # MFU against a GPU's datasheet peak
     records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == 0 and records[0]["run"]["training"]["steps"] == 2
     logged = [r for r in records if "loss" in r]
@@ -90,9 +92,9 @@ def test_bad_input_is_refused_before_any_step(tmp_path, case):
     elif case == "global batch":
         run.training.global_batch_size = 5
     elif case == "cuda_graphs":
-        run.training.cuda_graphs = True
+        run.training.device, run.training.cuda_graphs = "cpu", True
     elif case == "bf16 on the CPU":
-        run.training.mixed_precision = "bf16"
+        run.training.device, run.training.mixed_precision = "cpu", "bf16"
     elif case == "over checkpoints":
         _other_model_checkpoint(tmp_path / "checkpoints")
     else:
@@ -152,3 +154,21 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=key)  # Adam amplifies rounding near 0
     for step, loss in whole.losses.items():
         assert accumulated.losses[step] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("mode", ["cuda_graphs", "compile"])
+def test_fused_gpu_runs_train_like_eager(tmp_path, mode, precision):
+    """lstrain's kernels on the GPU: the captured and the compiled step take the eager
+    step's losses (fp16 through the loss scaler), with eval and checkpoints in between."""
+
+    def run(name, **options):
+        config = micro_run(tmp_path / name, steps=6, dropout=0.0, fused=True, mixed_precision=precision, **options)
+        return train(config, progress=False, echo=_quiet)
+
+    eager, other = run("eager"), run(mode, **{mode: True})
+    losses = list(eager.losses.values())
+    assert losses[-1] < losses[0]
+    for step, loss in eager.losses.items():
+        assert other.losses[step] == pytest.approx(loss, rel=2e-2 if precision != "fp32" else 1e-4)
