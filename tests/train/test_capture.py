@@ -36,10 +36,10 @@ def test_without_cuda_the_first_call_says_so():
         step(torch.zeros(2))
 
 
-def _setup(config: GPT2Config, dtype: torch.dtype, seed: int = 0, **optimizer):
+def _setup(config: GPT2Config, dtype: torch.dtype, seed: int = 0, lr: float = 1e-3):
     torch.manual_seed(seed)
     model = GPT2(config).to("cuda", dtype).train()
-    opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, **optimizer)
+    opt = FusedAdamW(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0)
 
     def step(input_ids, labels):
         opt.zero_grad()
