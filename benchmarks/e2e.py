@@ -3,6 +3,7 @@
     python -m benchmarks.e2e                                     # both GPT-2 workloads, every variant
     python -m benchmarks.e2e --workload gpt2-medium --out bench-out/e2e-medium
     python -m benchmarks.e2e --workload gpt2-small --variant lstrain-eager --variant torch-compile
+    python -m benchmarks.e2e --workload llama-0.75b --workload bert-large   # the LLaMA and BERT workloads
     python -m benchmarks.e2e --workload gpt2-medium --profile lstrain-eager   # per-kernel table of one step
     python -m benchmarks.e2e --workload tiny                     # the CPU smoke run (Triton interpreter)
     python -m benchmarks.report bench-out/results.json --e2e bench-out/e2e.json
@@ -10,19 +11,22 @@
 A step is forward, backward, the gradient clip at norm 1.0 and an AdamW update (lr 1e-4,
 weight decay 0.1 on matrices, none on biases and norms), on random tokens from a fixed
 seed (the same batches for every variant; labels are the inputs, shifted inside the model
-as in Hugging Face). The variants (``VARIANTS``):
+as in Hugging Face, or for BERT the tokens at 15% of the positions). The workloads
+(``WORKLOADS``) name a model family: GPT-2, LLaMA or BERT. The variants (``VARIANTS``):
 
-  * ``torch-eager`` / ``torch-compile``: lstrain's ``fused=False`` GPT-2 (plain torch ops),
-    as a careful PyTorch user runs it: fp32 parameters, bf16 autocast, ``torch.optim.AdamW(
+  * ``torch-eager`` / ``torch-compile``: lstrain's ``fused=False`` model of the family
+    (plain torch ops), as a careful PyTorch user runs it: fp32 parameters, bf16 autocast
+    (bf16 parameters where the workload says ``torch_bf16_params``), ``torch.optim.AdamW(
     fused=True)``, ``clip_grad_norm_``; the second under ``torch.compile(model)``;
-  * ``hf-eager`` / ``hf-compile``: transformers' GPT2LMHeadModel (``attn_implementation=
+  * ``hf-eager`` / ``hf-compile``: transformers' model of the family (``attn_implementation=
     "sdpa"``, random init from a config), set up the same way; ``hf-liger`` the same with
-    Liger-Kernel's GPT-2 patch, where Liger has one (else a row says why it was skipped);
-  * ``lstrain-eager``: ``GPT2(fused=True)`` with bf16 parameters and ``lstrain.optim.FusedAdamW
-    (max_grad_norm=1.0)`` (fp32 master weights); ``lstrain-captured``: the same step captured
-    whole in one CUDA graph (static input and label buffers each batch is copied into, three
-    warm-up steps on a side stream before the capture, one replay per step);
-    ``lstrain-compile``: the same under ``torch.compile(model)``.
+    Liger-Kernel's patch for the family, where Liger has one (else a row says why it was
+    skipped); ``lstrain-patch`` the same with ``lstrain.patch(model)``;
+  * ``lstrain-eager``: lstrain's model (``fused=True``) with bf16 parameters and
+    ``lstrain.optim.FusedAdamW(max_grad_norm=1.0)`` (fp32 master weights);
+    ``lstrain-captured``: the same step replayed from one CUDA graph
+    (``lstrain.train.CapturedStep``); ``lstrain-compile``: the same under
+    ``torch.compile(model)``.
 
 Each variant runs in its own process (this module with ``--child``), so that one variant's
 memory, compiled code and CUDA state cannot touch another's figures, and a crash or a hang
@@ -100,14 +104,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Workload:
-    """One model and batch: a GPT-2 size, its batch, precision, step counts and targets.
+    """One model and batch: a model family and shape, its batch, precision, step counts
+    and targets.
 
-    ``preset`` names the ``GPT2Config`` classmethod the lstrain variants build from; every
-    field that defines the model is passed explicitly too (``config_fields``), so that the
-    Hugging Face model gets the same one. Targets are None where the issue sets none:
-    ``target_tokens_per_s`` (lstrain's best variant), ``target_speedup`` (lstrain's best over
-    the best competitor's tokens/s) and ``target_peak_vs`` (a variant whose peak memory
-    lstrain's best must not exceed).
+    ``family`` picks the models (``gpt2``: lstrain's GPT2 / HF GPT2LMHeadModel; ``llama``:
+    lstrain's Llama / HF LlamaForCausalLM, untied head; ``bert``: lstrain's / HF's
+    BertForMaskedLM, ``masked`` of the tokens labelled). The shape is given in GPT-2's
+    terms (``n_layer``, ``n_embd``, ``n_head``; ``n_kv_head`` and ``n_inner`` where the
+    family has them); ``config_fields`` spells it in the family's HF config names, so that
+    lstrain's and Hugging Face's models get the same one. ``torch_bf16_params``: the torch
+    and HF variants hold bf16 parameters (no autocast, no master weights), as the issue's
+    anchors measured them where fp32 parameters would not fit the memory target. Targets
+    are None where the issue sets none: ``target_tokens_per_s`` (lstrain's best variant),
+    ``target_speedup`` (lstrain's best over the best competitor's tokens/s) and
+    ``target_peak_vs`` (a variant whose peak memory lstrain's best must not exceed);
+    ``target_peak_gib`` bounds lstrain's best peak memory outright.
     """
 
     name: str
@@ -126,6 +137,12 @@ class Workload:
     target_tokens_per_s: float | None = None
     target_speedup: float | None = None
     target_peak_vs: str | None = None
+    family: str = "gpt2"
+    n_kv_head: int | None = None
+    n_inner: int | None = None
+    masked: float = 0.0
+    torch_bf16_params: bool = False
+    target_peak_gib: float | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -134,19 +151,59 @@ class Workload:
 
     @property
     def flop_params(self) -> int:
-        """N of ``6 N``: the non-embedding parameters (attention, MLP, LayerNorms) plus the
-        LM head's ``V x D`` (tied to the token embedding, but a GEMM all the same)."""
-        d = self.n_embd
-        per_layer = 12 * d * d + 13 * d  # qkv 3d^2 + 3d, proj d^2 + d, MLP 8d^2 + 5d, two LayerNorms 4d
-        return self.n_layer * per_layer + 2 * d + self.vocab_size * d
+        """N of ``6 N``: the non-embedding parameters plus the LM head's ``V x D`` (a GEMM,
+        tied to the token embedding or not). BERT's MLM head (transform and decoder) runs
+        on the masked rows only: it is counted in ``flops_per_token`` instead."""
+        d, layers = self.n_embd, self.n_layer
+        if self.family == "llama":
+            kv = (self.n_kv_head or self.n_head) * (d // self.n_head)
+            per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn + 2 * d  # q, o; k, v; gate, up, down; 2 norms
+            return layers * per_layer + d + self.vocab_size * d
+        # qkv 3d^2 + 3d, proj d^2 + d, MLP 2 d ffn + ffn + d, two LayerNorms 4d
+        per_layer = 4 * d * d + 2 * d * self.ffn + self.ffn + 9 * d
+        if self.family == "bert":
+            return layers * per_layer + 2 * d  # the embeddings' LayerNorm
+        return layers * per_layer + 2 * d + self.vocab_size * d
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner width."""
+        return self.n_inner or 4 * self.n_embd
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: ``6 N + 12 L T D`` (PaLM's, attention's causal half not halved)."""
-        return 6 * self.flop_params + 12 * self.n_layer * self.seq * self.n_embd
+        """Training FLOPs per token: ``6 N + 12 L T D`` (PaLM's, attention's causal half not
+        halved), plus BERT's MLM head on its share of masked tokens."""
+        flops = 6 * self.flop_params + 12 * self.n_layer * self.seq * self.n_embd
+        if self.family == "bert":
+            d = self.n_embd
+            flops += self.masked * 6 * (d * d + d + 2 * d + self.vocab_size * d)
+        return flops
 
     def config_fields(self) -> dict:
-        """The model's fields under Hugging Face GPT2Config's names (lstrain's are the same)."""
+        """The model's fields under the family's Hugging Face config names (lstrain's are the same)."""
+        if self.family == "llama":
+            return {
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.n_embd,
+                "intermediate_size": self.ffn,
+                "num_hidden_layers": self.n_layer,
+                "num_attention_heads": self.n_head,
+                "num_key_value_heads": self.n_kv_head or self.n_head,
+                "max_position_embeddings": self.seq,
+                "tie_word_embeddings": False,
+            }
+        if self.family == "bert":
+            return {
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.n_embd,
+                "intermediate_size": self.ffn,
+                "num_hidden_layers": self.n_layer,
+                "num_attention_heads": self.n_head,
+                "max_position_embeddings": self.seq,
+                "hidden_dropout_prob": self.dropout,
+                "attention_probs_dropout_prob": self.dropout,
+            }
         return {
             "vocab_size": self.vocab_size,
             "n_positions": self.seq,
@@ -193,6 +250,19 @@ WORKLOADS = {
             bf16=True, warmup=10, steps=20, target_speedup=1.25,
         ),
         Workload(
+            "llama-0.75b",
+            "LLaMA-style 0.75B (12 x 2048, 16 heads, ff 5632, V 32000, untied head), batch 4 x 2048, bf16 params",
+            "llama_0_75b", n_layer=12, n_embd=2048, n_head=16, vocab_size=32000, seq=2048, batch=4, dropout=0.0,
+            bf16=True, warmup=10, steps=20, target_tokens_per_s=135e3, family="llama", n_kv_head=16, n_inner=5632,
+            torch_bf16_params=True, target_peak_gib=10.0 * 1e9 / 2**30,
+        ),
+        Workload(
+            "bert-large",
+            "BERT-large MLM (24 x 1024, 16 heads, V 30522), batch 16 x 512, 15% masked, dropout 0.1, bf16",
+            "large", n_layer=24, n_embd=1024, n_head=16, vocab_size=30522, seq=512, batch=16, dropout=0.1,
+            bf16=True, warmup=10, steps=20, target_speedup=1.25, family="bert", masked=0.15,
+        ),
+        Workload(
             "tiny", "tiny GPT-2 (2 x 64, 4 heads, V 1000), batch 2 x 32, dropout 0.1, fp32 (a harness check)",
             "small", n_layer=2, n_embd=64, n_head=4, vocab_size=1000, seq=32, batch=2, dropout=0.1,
             bf16=False, warmup=1, steps=2,
@@ -218,40 +288,68 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
     ]
 
 
-def _lstrain_gpt2(workload: Workload, fused: bool) -> torch.nn.Module:
+def _lstrain_model(workload: Workload, fused: bool) -> torch.nn.Module:
+    """lstrain's model of the workload's family (``fused=False``: the plain-torch twin)."""
+    if workload.family == "llama":
+        from lstrain.models import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(**workload.config_fields(), fused=fused))
+    if workload.family == "bert":
+        from lstrain.models import BertConfig, BertForMaskedLM
+
+        return BertForMaskedLM(BertConfig(**workload.config_fields(), fused=fused))
     from lstrain.models import GPT2, GPT2Config
 
     preset = getattr(GPT2Config, workload.preset)
     return GPT2(preset(fused=fused, **workload.config_fields()))
 
 
-def _hf_gpt2(workload: Workload) -> torch.nn.Module:
+_HF_FAMILIES = {  # family: (config class, model class) in transformers
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
+}
+
+
+def _hf_model(workload: Workload) -> torch.nn.Module:
+    """Hugging Face's model of the workload's family, randomly initialised, SDPA attention."""
     import transformers
 
-    config = transformers.GPT2Config(**workload.config_fields(), use_cache=False)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    config_class, model_class = (getattr(transformers, name) for name in _HF_FAMILIES[workload.family])
+    model = model_class(config_class(**workload.config_fields(), use_cache=False, attn_implementation="sdpa"))
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"transformers gave attention {model.config._attn_implementation!r}, not sdpa")
     return model
 
 
-def _hf_liger_gpt2(workload: Workload) -> torch.nn.Module:
+def _hf_liger(workload: Workload) -> torch.nn.Module:
     import liger_kernel.transformers as liger
 
-    patch = getattr(liger, "apply_liger_kernel_to_gpt2", None)
+    name = f"apply_liger_kernel_to_{workload.family}"
+    patch = getattr(liger, name, None)
     if patch is None:
         version = importlib.metadata.version("liger-kernel")
-        raise Skipped(f"Liger-Kernel {version} has no GPT-2 patch (no apply_liger_kernel_to_gpt2)")
-    patch()  # patches transformers' GPT-2 classes, so before the model is built
-    return _hf_gpt2(workload)
+        raise Skipped(f"Liger-Kernel {version} has no {workload.family} patch (no {name})")
+    patch()  # patches transformers' classes, so before the model is built
+    return _hf_model(workload)
+
+
+def _hf_patched(workload: Workload) -> torch.nn.Module:
+    import lstrain
+
+    model = _hf_model(workload)
+    report = lstrain.patch(model)
+    print(f"lstrain.patch: {len(report.swapped)} modules swapped, left alone: {report.left_alone}", flush=True)
+    return model
 
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def torch_step(model: torch.nn.Module, workload: Workload, device: torch.device, compiled: bool) -> StepFn:
-    """The plain PyTorch user's step: fp32 parameters, bf16 autocast (where the workload is
-    bf16), ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_``.
+    """The plain PyTorch user's step: fp32 parameters and bf16 autocast where the workload
+    is bf16 (bf16 parameters without autocast where it says ``torch_bf16_params``),
+    ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_``.
 
     Args:
         model: a model with fp32 parameters whose ``forward(input_ids, labels=...)`` returns
@@ -263,14 +361,15 @@ def torch_step(model: torch.nn.Module, workload: Workload, device: torch.device,
     Returns:
         ``step(input_ids, labels) -> loss`` (detached).
     """
-    model.to(device).train()
+    low_params = workload.bf16 and workload.torch_bf16_params
+    model.to(device, dtype=torch.bfloat16 if low_params else None).train()
     optimizer = torch.optim.AdamW(_param_groups(model), lr=LR, fused=True)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     forward = torch.compile(model) if compiled else model
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=workload.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=workload.bf16 and not low_params):
             loss = forward(input_ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
@@ -324,7 +423,9 @@ class Variant:
         """The parameters' and the compute's precision, for the table."""
         if not workload.bf16:
             return "fp32"
-        return "bf16 params, fp32 master weights" if self.name.startswith("lstrain") else "fp32 params, bf16 autocast"
+        if self.name in LSTRAIN_OPTIMIZER:
+            return "bf16 params, fp32 master weights"
+        return "bf16 params, no master weights" if workload.torch_bf16_params else "fp32 params, bf16 autocast"
 
 
 def _captured(model: torch.nn.Module, workload: Workload, device: torch.device) -> StepFn:
@@ -334,32 +435,37 @@ def _captured(model: torch.nn.Module, workload: Workload, device: torch.device) 
     return CapturedStep(lstrain_step(model, workload, device, compiled=False), restore=(), warmup=CAPTURE_WARMUP)
 
 
+LSTRAIN_OPTIMIZER = ("lstrain-eager", "lstrain-captured", "lstrain-compile")  # the rest: torch's AdamW
+
 VARIANTS = {
     v.name: v
     for v in (
         Variant("torch-eager", "lstrain's fused=False twin, torch AdamW(fused) + clip_grad_norm_",
-                lambda w: _lstrain_gpt2(w, fused=False), lambda m, w, d: torch_step(m, w, d, compiled=False),
+                lambda w: _lstrain_model(w, fused=False), lambda m, w, d: torch_step(m, w, d, compiled=False),
                 needs_cuda=False),
         Variant("torch-compile", "the same, torch.compile(model)",
-                lambda w: _lstrain_gpt2(w, fused=False), lambda m, w, d: torch_step(m, w, d, compiled=True),
+                lambda w: _lstrain_model(w, fused=False), lambda m, w, d: torch_step(m, w, d, compiled=True),
                 needs_cuda=True),
-        Variant("hf-eager", "HF GPT2LMHeadModel (sdpa), torch AdamW(fused) + clip_grad_norm_",
-                _hf_gpt2, lambda m, w, d: torch_step(m, w, d, compiled=False),
+        Variant("hf-eager", "HF model (sdpa), torch AdamW(fused) + clip_grad_norm_",
+                _hf_model, lambda m, w, d: torch_step(m, w, d, compiled=False),
                 needs_cuda=True, needs=("transformers",)),
         Variant("hf-compile", "the same, torch.compile(model)",
-                _hf_gpt2, lambda m, w, d: torch_step(m, w, d, compiled=True),
+                _hf_model, lambda m, w, d: torch_step(m, w, d, compiled=True),
                 needs_cuda=True, needs=("transformers",)),
-        Variant("hf-liger", "HF GPT2LMHeadModel + Liger-Kernel's GPT-2 patch, as hf-eager",
-                _hf_liger_gpt2, lambda m, w, d: torch_step(m, w, d, compiled=False),
+        Variant("hf-liger", "HF model + Liger-Kernel's patch for the family, as hf-eager",
+                _hf_liger, lambda m, w, d: torch_step(m, w, d, compiled=False),
                 needs_cuda=True, needs=("transformers", "liger_kernel")),
-        Variant("lstrain-eager", "GPT2(fused=True), FusedAdamW(max_grad_norm=1.0)",
-                lambda w: _lstrain_gpt2(w, fused=True), lambda m, w, d: lstrain_step(m, w, d, compiled=False),
+        Variant("lstrain-patch", "HF model + lstrain.patch(model), as hf-eager",
+                _hf_patched, lambda m, w, d: torch_step(m, w, d, compiled=False),
+                needs_cuda=True, needs=("transformers",)),
+        Variant("lstrain-eager", "lstrain's model (fused=True), FusedAdamW(max_grad_norm=1.0)",
+                lambda w: _lstrain_model(w, fused=True), lambda m, w, d: lstrain_step(m, w, d, compiled=False),
                 needs_cuda=False),
         Variant("lstrain-captured", "the same, the whole step in one CUDA graph",
-                lambda w: _lstrain_gpt2(w, fused=True), _captured,
+                lambda w: _lstrain_model(w, fused=True), _captured,
                 needs_cuda=True),
         Variant("lstrain-compile", "the same, torch.compile(model)",
-                lambda w: _lstrain_gpt2(w, fused=True), lambda m, w, d: lstrain_step(m, w, d, compiled=True),
+                lambda w: _lstrain_model(w, fused=True), lambda m, w, d: lstrain_step(m, w, d, compiled=True),
                 needs_cuda=True),
     )
 }  # fmt: skip
@@ -434,10 +540,16 @@ def make_batches(workload: Workload, count: int, device: torch.device) -> list[t
 
     Returns:
         ``(input_ids, labels)`` pairs, ``[batch, seq]`` int64; the labels are a copy of
-        the inputs (the model shifts them, as Hugging Face's do).
+        the inputs (the model shifts them, as Hugging Face's do), or for an MLM workload
+        the tokens at a random ``masked`` share of positions and -100 elsewhere (the
+        inputs are left unmasked: the kernels do the same work either way).
     """
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, workload.vocab_size, (count, workload.batch, workload.seq), generator=generator)
+    if workload.masked:
+        labelled = torch.rand(tokens.shape, generator=generator) < workload.masked
+        labels = tokens.masked_fill(~labelled, -100)
+        return list(zip(tokens.to(device).unbind(0), labels.to(device).unbind(0), strict=True))
     tokens = tokens.to(device)
     # labels a tensor of their own: an input aliasing another would be a guard (and a
     # special case) for torch.compile that no real data loader produces

@@ -372,11 +372,12 @@ def e2e_verdicts(workload: dict, rows: list[dict]) -> tuple[dict | None, list[Ve
 
     A tokens/s target is met when that variant's tokens/s is at least the target; a speedup
     target when its tokens/s over the fastest competitor's is at least the ratio; a memory
-    target when its peak memory is at most the named variant's.
+    target when its peak memory is at most the named variant's, or at most a bound.
 
     Args:
         workload: the workload's entry in the run's ``meta["workloads"]`` (its targets:
-            ``target_tokens_per_s``, ``target_speedup``, ``target_peak_vs``, each may be None).
+            ``target_tokens_per_s``, ``target_speedup``, ``target_peak_vs``,
+            ``target_peak_gib``, each may be None or absent).
         rows: the workload's rows.
 
     Returns:
@@ -421,6 +422,16 @@ def e2e_verdicts(workload: dict, rows: list[dict]) -> tuple[dict | None, list[Ve
         else:
             measured_text = f"{peak:.2f} vs {other_peak:.2f} GiB"
             out.append(Verdict(label, peak <= other_peak, _missed_by(peak, other_peak), measured_text))
+    bound = _num(workload.get("target_peak_gib"))
+    if bound is not None:
+        label = f"peak memory <= {bound:.2f} GiB"
+        peak = _num(best.get("peak_gib")) if best else None
+        if best is None:
+            out.append(Verdict(label, None, none_ran))
+        elif peak is None:
+            out.append(Verdict(label, None, "not measured"))
+        else:
+            out.append(Verdict(label, peak <= bound, _missed_by(peak, bound), f"{peak:.2f} GiB"))
     return best, out
 
 

@@ -5,6 +5,7 @@ end-to-end tables and verdicts on synthetic runs, and the tiny workload end to e
 subprocesses (torch-eager and lstrain-eager; the others skipped without CUDA)."""
 
 import copy
+import dataclasses
 import json
 import math
 import subprocess
@@ -54,11 +55,13 @@ def test_flops_per_token_is_6n_plus_12ltd():
 def test_variants_and_what_they_need():
     assert list(e2e.VARIANTS) == [
         "torch-eager", "torch-compile", "hf-eager", "hf-compile", "hf-liger",
-        "lstrain-eager", "lstrain-captured", "lstrain-compile",
+        "lstrain-patch", "lstrain-eager", "lstrain-captured", "lstrain-compile",
     ]  # fmt: skip
     cpu_ones = [v.name for v in e2e.VARIANTS.values() if not v.needs_cuda]
     assert cpu_ones == ["torch-eager", "lstrain-eager"]
-    assert [n for n in e2e.VARIANTS if report.is_ours(n)] == ["lstrain-eager", "lstrain-captured", "lstrain-compile"]
+    assert [n for n in e2e.VARIANTS if report.is_ours(n)] == [
+        "lstrain-patch", "lstrain-eager", "lstrain-captured", "lstrain-compile"
+    ]  # fmt: skip
     every = lambda name: True  # noqa: E731
     none = lambda name: False  # noqa: E731
     liger = e2e.VARIANTS["hf-liger"]
@@ -70,6 +73,30 @@ def test_variants_and_what_they_need():
     assert e2e.VARIANTS["lstrain-eager"].precision(medium) == "bf16 params, fp32 master weights"
     assert e2e.VARIANTS["hf-compile"].precision(medium) == "fp32 params, bf16 autocast"
     assert e2e.VARIANTS["torch-eager"].precision(tiny) == "fp32"
+    llama = e2e.WORKLOADS["llama-0.75b"]
+    assert e2e.VARIANTS["hf-liger"].precision(llama) == "bf16 params, no master weights"
+    assert e2e.VARIANTS["lstrain-patch"].precision(medium) == "fp32 params, bf16 autocast"
+
+
+def test_llama_and_bert_workloads_are_the_issues():
+    """Issue 33's LLaMA-style 0.75B and issue 30's BERT-large MLM, in their HF config names."""
+    llama, bert = e2e.WORKLOADS["llama-0.75b"], e2e.WORKLOADS["bert-large"]
+    assert llama.config_fields() == {
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    assert (llama.batch, llama.seq, llama.target_tokens_per_s, llama.torch_bf16_params) == (4, 2048, 135e3, True)
+    assert llama.target_peak_gib == pytest.approx(9.313, abs=1e-3)  # 10 GB
+    # 12 x (q, o 2 x 2048^2 + k, v 2 x 2048^2 + MLP 3 x 2048 x 5632 + 2 norms) + final norm + untied head
+    assert llama.flop_params == 12 * (4 * 2048**2 + 3 * 2048 * 5632 + 2 * 2048) + 2048 + 32000 * 2048
+    assert bert.config_fields()["hidden_dropout_prob"] == 0.1 and (bert.batch, bert.seq, bert.masked) == (16, 512, 0.15)
+    # the MLM head (transform + LayerNorm + decoder) runs on the masked rows only
+    head = 6 * (1024**2 + 3 * 1024 + 30522 * 1024)
+    assert bert.flops_per_token == pytest.approx(6 * bert.flop_params + 12 * 24 * 512 * 1024 + 0.15 * head)
+    ids, labels = e2e.make_batches(dataclasses.replace(bert, batch=4, seq=256), 1, CPU)[0]
+    share = (labels != -100).float().mean().item()
+    assert 0.1 < share < 0.2 and torch.equal(labels[labels != -100], ids[labels != -100])
 
 
 class _Output:
