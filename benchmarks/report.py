@@ -4,6 +4,7 @@
     python -m benchmarks.report RESULTS.json --out FILE
     python -m benchmarks.report --compare BEFORE.json AFTER.json [--threshold 0.03]
     python -m benchmarks.report RESULTS.json --e2e E2E.json [--e2e E2E-2.json]  # + whole training steps
+    python -m benchmarks.report RESULTS.json --e2e E2E.json --train TRAIN.json    # + recipe runs
 
 The report is a pure function of the JSON (no clock, no device, no path in it), so the
 same run always gives the same file: BENCHMARKS.md is regenerated, never edited. It
@@ -548,13 +549,78 @@ def render_e2e(runs: list[dict]) -> list[str]:
     return lines
 
 
-def render(data: dict | list, e2e: list[dict] | None = None) -> str:
+def steady_tokens_per_s(records: list[dict]) -> float | None:
+    """The median tokens/s of a training run's logged intervals after the first (which
+    holds the compile or the capture), or the first's where it is the only one."""
+    rates = [r["tokens_per_s"] for r in records if _num(r.get("tokens_per_s"))]
+    steady = rates[1:] or rates
+    if not steady:
+        return None
+    steady = sorted(steady)
+    middle = len(steady) // 2
+    return steady[middle] if len(steady) % 2 else (steady[middle - 1] + steady[middle]) / 2
+
+
+def render_train(runs: list[dict], e2e: list[dict]) -> list[str]:
+    """The "Training runs" section: per ``benchmarks.train_run`` run its device and
+    command, per variant the losses, steady tokens/s, memory, and the ratio to the e2e row
+    the run names (issue 31's check: within 5%).
+
+    Args:
+        runs: decoded train.json files.
+        e2e: the report's decoded e2e.json files, where the reference rows are looked up.
+
+    Returns:
+        The section's lines.
+    """
+    rows_of = {(r.get("workload"), r.get("variant")): r for data in e2e for r in parse_e2e(data)[1]}
+    lines = [
+        "## Training runs (`python -m benchmarks.train_run`)",
+        "",
+        "`lstrain train` on a recipe, each variant its own process. *tokens/s*: the median of the logged",
+        "intervals after the first (which holds the compile or the capture); *vs e2e*: that over the e2e row",
+        "the run names, judged within 5%.",
+    ]
+    for data in runs:
+        meta = data.get("meta", {})
+        when = meta.get("date", "?") + (f", commit `{meta['commit']}`" if meta.get("commit") else "")
+        lines += ["", f"- Run: {meta.get('device', '?')}, {when}; torch {meta.get('torch', '?')}, triton "
+                  f"{meta.get('triton', '?')}; `{meta.get('command', '?')}`"]  # fmt: skip
+        reference = rows_of.get(tuple((meta.get("e2e_ref") or "/").split("/", 1)))
+        ref_speed = _num(reference.get("tokens_per_s")) if reference else None
+        lines += ["", "| variant | exit | steps | loss first -> last | tokens/s | memory MiB | vs e2e |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for run in data.get("runs", []):
+            logged = [r for r in run.get("records", []) if _num(r.get("loss"))]
+            speed = steady_tokens_per_s(logged)
+            losses = f"{logged[0]['loss']:.3f} -> {logged[-1]['loss']:.3f}" if logged else ""
+            memory = max((r["memory_mib"] for r in logged if _num(r.get("memory_mib"))), default=None)
+            versus = ""
+            if speed and ref_speed:
+                ratio = speed / ref_speed
+                versus = f"{ratio:.3f} of {meta['e2e_ref']} ({'within' if abs(ratio - 1) <= 0.05 else 'beyond'} 5%)"
+            cells = [
+                f"`{run.get('name', '?')}`",
+                str(run.get("returncode")),
+                str(logged[-1]["step"]) if logged else "",
+                losses,
+                f"{speed / 1e3:.1f}k" if speed else "",
+                f"{memory:,.0f}" if memory is not None else "",
+                versus,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(data: dict | list, e2e: list[dict] | None = None, train: list[dict] | None = None) -> str:
     """BENCHMARKS.md for one run.
 
     Args:
         data: the runner's decoded JSON (any layout ``parse`` reads).
         e2e: decoded e2e.json files of ``python -m benchmarks.e2e``; their section comes
             right after the header (whole steps are what judge the toolkit).
+        train: decoded train.json files of ``python -m benchmarks.train_run``; their
+            section follows the e2e one.
 
     Returns:
         The Markdown text, ending in a newline.
@@ -569,6 +635,8 @@ def render(data: dict | list, e2e: list[dict] | None = None) -> str:
     lines = _header(meta, judged)
     if e2e:
         lines += ["", *render_e2e(e2e)]
+    if train:
+        lines += ["", *render_train(train, e2e or [])]
     if judged:
         lines += ["", *_summary(judged)]
     titles = meta.get("titles") or {}
@@ -664,19 +732,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=NOISE, help="--compare's noise threshold (default 0.03)")
     parser.add_argument("--e2e", action="append", type=Path, default=[], metavar="E2E_JSON",
                         help="benchmarks.e2e's e2e.json: the end-to-end section (repeatable: one per run)")  # fmt: skip
+    parser.add_argument("--train", action="append", type=Path, default=[], metavar="TRAIN_JSON",
+                        help="benchmarks.train_run's train.json: the training-runs section (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.compare:
         before, after = (json.loads(path.read_text()) for path in args.compare)
         text, _ = compare(before, after, args.threshold)
         print(text, end="")
         return 0
-    text = render(json.loads(args.results.read_text()), [json.loads(path.read_text()) for path in args.e2e])
+    text = render(
+        json.loads(args.results.read_text()),
+        [json.loads(path.read_text()) for path in args.e2e],
+        [json.loads(path.read_text()) for path in args.train],
+    )
     lines = text.count("\n")
     if lines > MAX_LINES:
         print(f"the report has {lines} lines, more than {MAX_LINES}: not written to {args.out}", file=sys.stderr)
         return 1
     args.out.write_text(text)
-    sources = ", ".join(str(path) for path in [args.results, *args.e2e])
+    sources = ", ".join(str(path) for path in [args.results, *args.e2e, *args.train])
     print(f"{args.out}: {lines} lines from {sources}")
     return 0
 
