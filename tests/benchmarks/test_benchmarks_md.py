@@ -9,17 +9,22 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
 
-# the e2e runs, each its own table: e2e-<what>.json of this tree's runs, then e2e.json
+# later runs of some ops (results-<what>.json), the e2e runs (e2e-<what>.json of this tree's
+# runs, then e2e.json) and the recipe runs (train-<what>.json), in name order
+LATER_OPS = sorted(RESULTS.glob("results-*.json"))
 E2E = sorted(RESULTS.glob("e2e*.json"))
+TRAIN = sorted(RESULTS.glob("train*.json"))
 
 
 def test_benchmarks_md_is_the_report_of_the_stored_runs():
-    text = report.render(
-        json.loads((RESULTS / "results.json").read_text()), [json.loads(path.read_text()) for path in E2E]
-    )
-    e2e = " ".join(f"--e2e benchmarks/results/{path.name}" for path in E2E)
+    def load(paths):
+        return [json.loads(path.read_text()) for path in paths]
+
+    text = report.render(json.loads((RESULTS / "results.json").read_text()), load(E2E), load(TRAIN), load(LATER_OPS))
+    flags = [f"--{flag} benchmarks/results/{path.name}" for flag, paths in
+             (("later-ops", LATER_OPS), ("e2e", E2E), ("train", TRAIN)) for path in paths]  # fmt: skip
     assert (REPO / "BENCHMARKS.md").read_text() == text, (
         "BENCHMARKS.md differs from its JSON: regenerate it with `python -m benchmarks.report "
-        f"benchmarks/results/results.json {e2e}`"
+        f"benchmarks/results/results.json {' '.join(flags)}`"
     )
     assert text.count("\n") <= report.MAX_LINES

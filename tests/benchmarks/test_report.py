@@ -243,3 +243,23 @@ def test_compare_reads_an_old_runner_list_against_the_new_layout(tmp_path, capsy
     assert report.main(["--compare", str(before), str(after)]) == 0
     out = capsys.readouterr().out
     assert "before: ?, ?" in out and "6 rows compared" in out and "0 differ" in out
+
+
+def test_a_later_run_of_some_ops_replaces_their_tables_and_cites_its_run():
+    later = copy.deepcopy(_run())
+    later["meta"] |= {"date": "2026-12-03", "commit": "fedcba987654", "command": "python -m benchmarks.run --op rms"}
+    later["rows"] = [
+        _row("layer_norm", "16384 x 1024", "lstrain", 0.0450, target_ms=0.050),
+        _row("rms_norm", "16384 x 4096", "lstrain", 0.1758, target_ms=0.184),
+        _row("rms_norm", "16384 x 4096", "torch.compile", 0.2146, target_ms=0.184),
+    ]
+    text = report.render(_run(), later_ops=[later])
+    assert "- **Date**: 2026-12-02" in text  # the header is the main run's
+    for op in ("layer_norm", "rms_norm"):
+        section = text.split(f"(`--op {op}`)")[1].split("\n## ")[0]
+        assert "Measured in a later run: NVIDIA H200, 2026-12-03, commit fedcba987654" in section
+    _, rows = _table(text, "LayerNorm")
+    assert [r[0] for r in rows] == ["16384 x 1024"]  # the later run's layer_norm table replaces the main one's
+    assert "(`--op cross_entropy`)\n\n| " in text  # the main run's ops cite no other run
+    _, summary = _table(text, "Targets")
+    assert ["rms_norm", "16384 x 4096"] == summary[-1][:2]
