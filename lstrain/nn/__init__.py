@@ -1,5 +1,6 @@
 """torch.nn-compatible modules over lstrain.ops (drop-in signatures)."""
 
+from lstrain.nn.add_rms_norm import AddRMSNorm
 from lstrain.nn.attention_softmax import AttentionSoftmax
 from lstrain.nn.bias_dropout import BiasActDropout, BiasDropoutResidual
 from lstrain.nn.cross_entropy import CrossEntropyLoss
@@ -11,6 +12,7 @@ from lstrain.nn.rms_norm import RMSNorm
 from lstrain.nn.swiglu import SwiGLUMLP
 
 __all__ = [
+    "AddRMSNorm",
     "AttentionSoftmax",
     "BiasActDropout",
     "BiasDropoutResidual",

@@ -1,6 +1,7 @@
 """Fused ops: each a Triton forward/backward pair behind a functional entry."""
 
 from lstrain.ops._lib.dropout import dropout_mask
+from lstrain.ops.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_ref
 from lstrain.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
@@ -13,6 +14,8 @@ from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
 from lstrain.ops.swiglu import swiglu_mlp, swiglu_mlp_ref
 
 __all__ = [
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "attention_softmax",
     "attention_softmax_ref",
     "bias_act_dropout",

@@ -33,6 +33,7 @@ __all__ = [
     "RMSNormFunction",
     "default_eps",
     "rms_norm",
+    "rms_norm_arguments",
     "rms_norm_bwd",
     "rms_norm_bwd_plan",
     "rms_norm_fwd",
@@ -44,17 +45,32 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _load_input(x_rows, residual_ptr, row, residual_row_stride, col, mask, HAS_RESIDUAL: tl.constexpr):
+    """The row tile RMSNorm normalises, in the input dtype: x, or x + residual added in
+    fp32 and rounded once to x's dtype (the new residual stream, as stored)."""
+    x = tl.load(x_rows + col, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row[:, None] * residual_row_stride + col, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,
+    residual_ptr,
+    sum_ptr,
     y_ptr,
     weight_ptr,
     rstd_ptr,
     rows,
     cols,
     x_row_stride,
+    residual_row_stride,
     y_row_stride,
     inv_cols,
     eps,
+    HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -69,7 +85,11 @@ def _rms_norm_fwd_kernel(
     inv_cols = tl.cast(inv_cols, tl.float32)
     if SINGLE_TILE:
         mask = row_ok[:, None] & (col < cols)[None, :]
-        x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_input(x_rows, residual_ptr, row, residual_row_stride, col[None, :], mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            # The sum has the same row stride as y (both contiguous).
+            tl.store(sum_ptr + row[:, None] * y_row_stride + col[None, :], x, mask=mask)
+        x = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_cols + eps)
         y = x * rstd[:, None]
         if HAS_WEIGHT:
@@ -79,13 +99,20 @@ def _rms_norm_fwd_kernel(
         squares = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         for start in range(0, cols, BLOCK_COLS):
             mask = row_ok[:, None] & (start + col < cols)[None, :]
-            x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_input(x_rows, residual_ptr, row, residual_row_stride, start + col[None, :], mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                tl.store(sum_ptr + row[:, None] * y_row_stride + start + col[None, :], x, mask=mask)
+            x = x.to(tl.float32)
             squares += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) * inv_cols + eps)
         for start in range(0, cols, BLOCK_COLS):
             col_ok = start + col < cols
             mask = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(x_rows + start + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            # The sum is recomputed rather than re-read: a load of what this program just
+            # stored would need a barrier between the threads that stored and load it.
+            x = _load_input(
+                x_rows, residual_ptr, row, residual_row_stride, start + col[None, :], mask, HAS_RESIDUAL
+            ).to(tl.float32)
             y = x * rstd[:, None]
             if HAS_WEIGHT:
                 y *= tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -97,6 +124,7 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_bwd_kernel(
     x_ptr,
     dy_ptr,
+    sum_grad_ptr,
     dx_ptr,
     weight_ptr,
     rstd_ptr,
@@ -105,8 +133,10 @@ def _rms_norm_bwd_kernel(
     cols,
     x_row_stride,
     dy_row_stride,
+    sum_grad_row_stride,
     dx_row_stride,
     inv_cols,
+    HAS_SUM_GRAD: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -139,6 +169,10 @@ def _rms_norm_bwd_kernel(
             w_dy = dy * weight if HAS_WEIGHT else dy
             c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
             dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
+            if HAS_SUM_GRAD:
+                dx += tl.load(
+                    sum_grad_ptr + row[:, None] * sum_grad_row_stride + col[None, :], mask=mask, other=0.0
+                ).to(tl.float32)
             tl.store(dx_ptr + row[:, None] * dx_row_stride + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WEIGHT_GRAD:
                 weight_acc += dy * x_hat
@@ -170,6 +204,9 @@ def _rms_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     w_dy = dy * tl.load(weight_ptr + start + col, mask=col_ok, other=0.0).to(tl.float32)
                 dx = (w_dy - x_hat * c1) * rstd
+                if HAS_SUM_GRAD:
+                    sum_grad_row = sum_grad_ptr + row * sum_grad_row_stride
+                    dx += tl.load(sum_grad_row + start + col, mask=col_ok, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + row * dx_row_stride + start + col, dx.to(dx_ptr.dtype.element_ty), mask=col_ok)
                 if WEIGHT_GRAD:
                     acc = tl.load(weight_partial + start + col, mask=col_ok, other=0.0)
@@ -184,15 +221,16 @@ rms_norm_fwd_plan = layer_norm_fwd_plan
 
 @functools.cache
 def rms_norm_bwd_plan(
-    cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
+    cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY, row_inputs: int = 2
 ) -> LayerNormPlan:
     """Backward launch settings for rows of ``cols`` elements of ``element_size`` bytes on a
     device with ``shared_memory`` bytes per program (a pure function).
 
     LayerNorm's backward ladder: a persistent grid, its row loop pipelined up to 3 deep,
-    few programs per SM to keep the fp32 dweight partials small. The pipeline holds x, dy
-    and rstd of the tiles ahead in shared memory; where that does not fit the device, the
-    pipeline gets shallower.
+    few programs per SM to keep the fp32 dweight partials small. The pipeline holds the
+    ``row_inputs`` row tensors (x and dy; add_rms_norm's incoming gradient of the sum
+    too) and rstd of the tiles ahead in shared memory; where that does not fit the device,
+    the pipeline gets shallower.
     """
     block_cols = triton.next_power_of_2(cols)
     if block_cols > MAX_TILE_COLS_BWD:
@@ -200,7 +238,7 @@ def rms_norm_bwd_plan(
     warps = 4 if block_cols <= 2048 else 8
     programs_per_sm = 2 if block_cols <= 4096 else 1
     block_rows = max(1, 4096 // block_cols)
-    tile_bytes = block_rows * (2 * block_cols * element_size + 4)
+    tile_bytes = block_rows * (row_inputs * block_cols * element_size + 4)
     stages = 3
     while stages > 1 and (stages - 1) * tile_bytes > shared_memory:
         stages -= 1
@@ -213,6 +251,9 @@ def rms_norm_fwd(
     weight: torch.Tensor | None,
     eps: float,
     plan: LayerNormPlan | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs.
 
@@ -220,12 +261,17 @@ def rms_norm_fwd(
         x, normalized_shape, weight: as for :func:`rms_norm` (weight contiguous).
         eps: the resolved eps (a Python float).
         plan: launch settings (default: :func:`rms_norm_fwd_plan` of the row width).
+        residual: added to ``x`` before the norm (:func:`~lstrain.ops.add_rms_norm`): shaped
+            and typed like ``x``; the kernel normalises the sum rounded to ``x``'s dtype.
+        new_residual: with ``residual``, the contiguous buffer shaped like ``x`` that the
+            rounded sum is written to.
 
     Returns:
         ``(y, rstd)``: y shaped and typed like ``x`` (contiguous); rstd fp32 [rows].
     """
     cols = math.prod(normalized_shape)
     x2d = as_rows(x, cols)
+    residual2d = None if residual is None else as_rows(residual, cols)
     # Counted from the leading dims, as the fake kernel does, so that zero-width rows agree.
     rows = math.prod(x.shape[: x.dim() - len(normalized_shape)])
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -234,8 +280,9 @@ def rms_norm_fwd(
         return y, rstd
     plan = plan or rms_norm_fwd_plan(cols)
     _rms_norm_fwd_kernel[(cdiv(rows, plan.block_rows),)](
-        x2d, y, weight, rstd,
-        rows, cols, x2d.stride(0), cols, 1.0 / cols, eps,
+        x2d, residual2d, new_residual, y, weight, rstd,
+        rows, cols, x2d.stride(0), 0 if residual2d is None else residual2d.stride(0), cols, 1.0 / cols, eps,
+        HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
@@ -253,15 +300,20 @@ def rms_norm_bwd(
     normalized_shape: Sequence[int],
     weight_grad: bool,
     plan: LayerNormPlan | None = None,
+    *,
+    sum_grad: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 
     Args:
         dy: the upstream gradient, shaped like ``x``.
-        x, weight, normalized_shape: as given to :func:`rms_norm_fwd`.
+        x, weight, normalized_shape: as given to :func:`rms_norm_fwd` (for
+            :func:`~lstrain.ops.add_rms_norm`, ``x`` is the new residual it normalised).
         rstd: the fp32 [rows] statistics :func:`rms_norm_fwd` returned.
         weight_grad: whether to compute dweight.
         plan: launch settings (default: :func:`rms_norm_bwd_plan` for the shape and device).
+        sum_grad: a gradient shaped like ``x`` added to dx in the same pass
+            (add_rms_norm's incoming gradient of the new residual).
 
     Returns:
         ``[dx]``, followed by dweight (in ``weight``'s dtype) if ``weight_grad``.
@@ -269,6 +321,7 @@ def rms_norm_bwd(
     cols = math.prod(normalized_shape)
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
+    sum_grad2d = None if sum_grad is None else as_rows(sum_grad, cols)
     rows = x2d.shape[0]
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
     if weight_grad:
@@ -276,14 +329,18 @@ def rms_norm_bwd(
     if cols == 0:
         return grads
     device = _backend.device_index(x)
-    plan = plan or rms_norm_bwd_plan(cols, x.element_size(), _backend.shared_memory_per_program(device))
+    if plan is None:
+        row_inputs = 2 if sum_grad is None else 3
+        shared_memory = _backend.shared_memory_per_program(device)
+        plan = rms_norm_bwd_plan(cols, x.element_size(), shared_memory, row_inputs)
     sms = _backend.multiprocessor_count(device)
     programs = max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm))
     alloc = torch.empty if plan.single_tile else torch.zeros
     partials = alloc((int(weight_grad), programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(programs,)](
-        x2d, dy2d, grads[0], weight, rstd, partials,
-        rows, cols, x2d.stride(0), dy2d.stride(0), cols, 1.0 / cols,
+        x2d, dy2d, sum_grad2d, grads[0], weight, rstd, partials,
+        rows, cols, x2d.stride(0), dy2d.stride(0), 0 if sum_grad2d is None else sum_grad2d.stride(0), cols, 1.0 / cols,
+        HAS_SUM_GRAD=sum_grad is not None,
         HAS_WEIGHT=weight is not None,
         WEIGHT_GRAD=weight_grad,
         BLOCK_ROWS=plan.block_rows,
@@ -355,6 +412,42 @@ def default_eps(dtype: torch.dtype) -> float:
     return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
 
 
+def rms_norm_arguments(
+    op: str,
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None,
+    eps: object,
+) -> tuple[tuple[int, ...], float]:
+    """Validate RMSNorm's arguments (shared by :func:`rms_norm` and
+    :func:`~lstrain.ops.add_rms_norm`).
+
+    Args:
+        op: the calling op's name, for the messages.
+        x, normalized_shape, weight, eps: as for :func:`rms_norm`.
+
+    Returns:
+        ``(shape, eps)``: normalized_shape as a tuple, eps as a Python float (torch's
+        default for ``x.dtype`` where None).
+
+    Raises:
+        ValueError: as listed for :func:`rms_norm`, prefixed with ``op``.
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape) :]) != shape:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{op}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    if weight is not None:
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape {shape}")
+        if weight.device != x.device:
+            raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}")
+        if weight.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{op}: weight has dtype {weight.dtype}; expected float32, float16 or bfloat16")
+    return shape, default_eps(x.dtype) if eps is None else float_option(op, "eps", eps, 0)
+
+
 def rms_norm(
     x: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -383,19 +476,7 @@ def rms_norm(
             dtype, ``weight`` has the wrong shape, dtype or device, or ``eps`` is
             negative or not finite (it may be a Python or numpy scalar or a 0-d CPU tensor).
     """
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape) :]) != shape:
-        raise ValueError(f"rms_norm: x has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"rms_norm: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
-    if weight is not None:
-        if tuple(weight.shape) != shape:
-            raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected normalized_shape {shape}")
-        if weight.device != x.device:
-            raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
-        if weight.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"rms_norm: weight has dtype {weight.dtype}; expected float32, float16 or bfloat16")
-    eps = default_eps(x.dtype) if eps is None else float_option("rms_norm", "eps", eps, 0)
+    shape, eps = rms_norm_arguments("rms_norm", x, normalized_shape, weight, eps)
     backend = _backend.backend_for(x)
     _backend.note("rms_norm", backend)
     if backend == "reference":

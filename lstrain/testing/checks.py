@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from lstrain import _backend
 from lstrain.ops import (
+    add_rms_norm,
+    add_rms_norm_ref,
     attention_softmax,
     attention_softmax_ref,
     bias_act_dropout,
@@ -129,6 +131,30 @@ def _run_rms_norm(case: dict, device: str) -> CheckResult:
 
     def reference(**kw):
         return rms_norm_ref(kw["x"], shape, kw.get("weight"), eps)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(op, reference, inputs, atol=_atol(dtype, device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_add_rms_norm(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, shape = case["dtype"], case["normalized_shape"]
+    inputs = {
+        "x": _randn(case["shape"], gen, device, dtype) * case["scale"],
+        "residual": _randn(case["shape"], gen, device, dtype) * case["scale"],
+    }
+    if case["weight"]:
+        inputs["weight"] = _randn(shape, gen, device, dtype, mean=1.0)
+    eps = default_eps(dtype) if case["eps"] is None else case["eps"]
+
+    # Both outputs side by side in one tensor, which the tolerance rule takes; the
+    # gradient of the concatenation gives each output its own upstream gradient.
+    def op(**kw):
+        return torch.cat(add_rms_norm(kw["x"], kw["residual"], shape, kw.get("weight"), case["eps"]), dim=-1)
+
+    def reference(**kw):
+        return torch.cat(add_rms_norm_ref(kw["x"], kw["residual"], shape, kw.get("weight"), eps), dim=-1)
 
     with _backend.record_backends() as ran:
         comparisons = check_function(op, reference, inputs, atol=_atol(dtype, device), generator=gen)
@@ -355,6 +381,7 @@ def _run_swiglu(case: dict, device: str) -> CheckResult:
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "rms_norm": OpCheck("rms_norm", rms_norm_cases, _run_rms_norm),
+    "add_rms_norm": OpCheck("add_rms_norm", rms_norm_cases, _run_add_rms_norm),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
     "linear_cross_entropy": OpCheck(
