@@ -67,7 +67,11 @@ def rewind(objects: Sequence[Any], saved: tuple) -> None:
         saved: what it returned.
     """
     states, cpu_rng, cuda_rng = saved
-    for item, state in zip(objects, states, strict=True):
+    pairs = list(zip(objects, states, strict=True))
+    # optimizers last: loading a model writes its parameters, which an lstrain optimizer
+    # would take for an outside write and copy over its fp32 master weights
+    pairs.sort(key=lambda pair: isinstance(pair[0], torch.optim.Optimizer))
+    for item, state in pairs:
         item.load_state_dict(state)
     torch.set_rng_state(cpu_rng)
     if cuda_rng:
