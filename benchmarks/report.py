@@ -6,6 +6,7 @@
     python -m benchmarks.report RESULTS.json --e2e E2E.json [--e2e E2E-2.json]  # + whole training steps
     python -m benchmarks.report RESULTS.json --e2e E2E.json --train TRAIN.json    # + recipe runs
     python -m benchmarks.report RESULTS.json --later-ops NEW-OPS.json            # + ops measured later
+    python -m benchmarks.report RESULTS.json --profile PROFILE.txt               # + a step's top kernels
 
 The report is a pure function of the JSON (no clock, no device, no path in it), so the
 same run always gives the same file: BENCHMARKS.md is regenerated, never edited. It
@@ -40,6 +41,7 @@ from pathlib import Path
 MAX_LINES = 300
 OURS = "lstrain"  # implementations whose name starts with it are lstrain's
 NOISE = 0.03  # relative GPU-time difference that --compare flags
+PROFILE_KERNELS = 12  # kernels of a profile the report shows
 
 
 def is_ours(impl: str) -> bool:
@@ -614,11 +616,30 @@ def render_train(runs: list[dict], e2e: list[dict]) -> list[str]:
     return lines
 
 
+def render_profiles(profiles: list[str]) -> list[str]:
+    """The "Where a step's GPU time goes" section: the per-kernel table at the top of each
+    ``benchmarks.e2e --profile`` file (its title, total and top kernels), verbatim.
+
+    Args:
+        profiles: the profile files' texts.
+
+    Returns:
+        The section's lines.
+    """
+    lines = ["## Where a step's GPU time goes (`python -m benchmarks.e2e --profile VARIANT`)"]
+    for text in profiles:
+        head = text.split("\n\n")[:3]  # the title, the total, the kernel table
+        table = head[2].splitlines()[: PROFILE_KERNELS + 1] if len(head) > 2 else []
+        lines += ["", f"**{head[0].strip()}**: {head[1].strip() if len(head) > 1 else ''}", "", "```", *table, "```"]
+    return lines
+
+
 def render(
     data: dict | list,
     e2e: list[dict] | None = None,
     train: list[dict] | None = None,
     later_ops: list[dict] | None = None,
+    profiles: list[str] | None = None,
 ) -> str:
     """BENCHMARKS.md for one run.
 
@@ -631,6 +652,8 @@ def render(
         later_ops: runner JSON of later runs of some ops only (ops added since ``data``'s
             run, or changed): each of their ops' tables replaces ``data``'s and cites its
             run; their targets join the summary.
+        profiles: texts of ``benchmarks.e2e --profile`` files: their top kernels follow
+            the training runs.
 
     Returns:
         The Markdown text, ending in a newline.
@@ -651,6 +674,8 @@ def render(
         lines += ["", *render_e2e(e2e)]
     if train:
         lines += ["", *render_train(train, e2e or [])]
+    if profiles:
+        lines += ["", *render_profiles(profiles)]
     if judged:
         lines += ["", *_summary(judged)]
     for op, (cases, run_meta) in sections.items():
@@ -750,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="benchmarks.e2e's e2e.json: the end-to-end section (repeatable: one per run)")  # fmt: skip
     parser.add_argument("--later-ops", action="append", type=Path, default=[], metavar="RESULTS_JSON",
                         help="a later run of some ops: their tables replace the main run's (repeatable)")  # fmt: skip
+    parser.add_argument("--profile", action="append", type=Path, default=[], metavar="PROFILE_TXT",
+                        help="benchmarks.e2e --profile's file: its top kernels (repeatable)")  # fmt: skip
     parser.add_argument("--train", action="append", type=Path, default=[], metavar="TRAIN_JSON",
                         help="benchmarks.train_run's train.json: the training-runs section (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -763,13 +790,14 @@ def main(argv: list[str] | None = None) -> int:
         [json.loads(path.read_text()) for path in args.e2e],
         [json.loads(path.read_text()) for path in args.train],
         [json.loads(path.read_text()) for path in args.later_ops],
+        [path.read_text() for path in args.profile],
     )
     lines = text.count("\n")
     if lines > MAX_LINES:
         print(f"the report has {lines} lines, more than {MAX_LINES}: not written to {args.out}", file=sys.stderr)
         return 1
     args.out.write_text(text)
-    sources = ", ".join(str(path) for path in [args.results, *args.later_ops, *args.e2e, *args.train])
+    sources = ", ".join(str(p) for p in [args.results, *args.later_ops, *args.e2e, *args.train, *args.profile])
     print(f"{args.out}: {lines} lines from {sources}")
     return 0
 

@@ -263,3 +263,16 @@ def test_a_later_run_of_some_ops_replaces_their_tables_and_cites_its_run():
     assert "(`--op cross_entropy`)\n\n| " in text  # the main run's ops cite no other run
     _, summary = _table(text, "Targets")
     assert ["rms_norm", "16384 x 4096"] == summary[-1][:2]
+
+
+def test_a_profile_s_top_kernels_are_shown_verbatim():
+    rows = "\n".join(f"{9.0 - i:9.3f} {10.0:6.1f} {24:6d}  kernel_{i}" for i in range(20))
+    total = "GPU time of the step: 51.00 ms in 3000 kernel runs"
+    text = f"gpt2-medium: lstrain-eager\n\n{total}\n\n{'ms':>9}  kernel\n{rows}\n\ntorch's table"
+    lines = report.render_profiles([text])
+    assert lines[2] == "**gpt2-medium: lstrain-eager**: GPU time of the step: 51.00 ms in 3000 kernel runs"
+    block = lines[lines.index("```") + 1 : len(lines) - 1]
+    assert (
+        len(block) == 1 + report.PROFILE_KERNELS and block[1].endswith("kernel_0") and "torch's" not in "".join(lines)
+    )
+    assert "## Where a step's GPU time goes" in report.render(_run(), profiles=[text])
