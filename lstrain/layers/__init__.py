@@ -1,12 +1,29 @@
 """Transformer building blocks from lstrain's fused pieces, each with a plain-torch twin.
 
 :class:`SelfAttention` (packed QKV, SDPA), :class:`MLP` and :class:`TransformerLayer`
-(pre-LN or post-LN); ``fused=False`` builds the same modules, with the same parameter
-names and shapes, from plain torch ops.
+(pre-LN or post-LN); LLaMA's :class:`RotaryAttention` (RoPE, grouped-query, packed QKV),
+:class:`SwiGLU` and :class:`DecoderLayer` (pre-RMSNorm); ``fused=False`` builds the same
+modules, with the same parameter names and shapes, from plain torch ops.
 """
 
 from lstrain.layers.attention import SelfAttention, sdpa_mask, split_heads
+from lstrain.layers.decoder import DecoderLayer, add_norm
 from lstrain.layers.mlp import MLP
+from lstrain.layers.rotary import RotaryAttention, rope_qkv_torch, rope_torch, rotary_cos_sin
+from lstrain.layers.swiglu import SwiGLU
 from lstrain.layers.transformer import TransformerLayer
 
-__all__ = ["MLP", "SelfAttention", "TransformerLayer", "sdpa_mask", "split_heads"]
+__all__ = [
+    "MLP",
+    "DecoderLayer",
+    "RotaryAttention",
+    "SelfAttention",
+    "SwiGLU",
+    "TransformerLayer",
+    "add_norm",
+    "rope_qkv_torch",
+    "rope_torch",
+    "rotary_cos_sin",
+    "sdpa_mask",
+    "split_heads",
+]

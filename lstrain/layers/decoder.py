@@ -1,0 +1,102 @@
+"""LLaMA's decoder layer: pre-RMSNorm rotary GQA attention and a SwiGLU MLP, each with a residual."""
+
+from __future__ import annotations
+
+import torch
+
+import lstrain.nn
+from lstrain.layers.rotary import RotaryAttention
+from lstrain.layers.swiglu import SwiGLU
+from lstrain.ops import add_rms_norm
+
+__all__ = ["DecoderLayer", "add_norm"]
+
+
+def add_norm(
+    norm: torch.nn.RMSNorm, x: torch.Tensor, residual: torch.Tensor, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``: fused, one :func:`lstrain.ops.add_rms_norm`
+    kernel each way with ``norm``'s weight and eps; unfused, an add and ``norm``.
+
+    Under autocast the sublayer output ``x`` may be bf16 while the stream is fp32: the sum
+    is then kept in the wider dtype, as torch's ``residual + x`` keeps it.
+    """
+    if not fused:
+        residual = residual + x
+        return norm(residual), residual
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return add_rms_norm(x.to(dtype), residual.to(dtype), norm.normalized_shape, norm.weight, norm.eps)
+
+
+class DecoderLayer(torch.nn.Module):
+    """``x = x + self_attn(input_layernorm(x)); x = x + mlp(post_attention_layernorm(x))``.
+
+    Parameter names are HF ``LlamaDecoderLayer``'s (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``) and so are the state_dict keys
+    (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``), whichever ``fused`` is.
+
+    Fused: :class:`RotaryAttention` and :class:`SwiGLU` on lstrain's kernels, and each
+    residual add done inside the next RMSNorm's kernel (:func:`lstrain.ops.add_rms_norm`,
+    forward and backward): the layer hands its MLP output and the residual stream on
+    separately, and the next layer's ``input_layernorm`` (or the model's final norm) adds
+    them. Unfused: ``torch.nn.RMSNorm``, plain adds and the same layers in plain torch ops.
+
+    Args:
+        dim: model width.
+        heads, kv_heads, head_dim: of the attention (see :class:`RotaryAttention`).
+        intermediate_size: the MLP's inner width.
+        eps: the RMSNorms' epsilon.
+        attention_bias: biases on the attention's projections.
+        attn_dropout: dropout of the attention probabilities.
+        fused: lstrain's kernels, or plain torch ops.
+        device, dtype: of the parameters.
+
+    Raises:
+        ValueError: see :class:`RotaryAttention`.
+
+    ``forward(x, cos, sin, key_padding_mask=None, residual=None) -> (mlp_out, residual)``:
+    ``x`` ``[batch, seq, dim]`` is the residual stream when ``residual`` is None (the first
+    layer), else the previous layer's ``mlp_out``, still to be added to ``residual``; the
+    layer's output stream is ``mlp_out + residual`` (see :func:`add_norm`). cos / sin and the
+    mask as for :class:`RotaryAttention`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        eps: float = 1e-6,
+        attention_bias: bool = False,
+        attn_dropout: float = 0.0,
+        fused: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.fused = fused
+        factory = {"device": device, "dtype": dtype}
+        norm = lstrain.nn.RMSNorm if fused else torch.nn.RMSNorm
+        # HF's order, so the state_dict's keys come in HF's order too
+        self.self_attn = RotaryAttention(dim, heads, kv_heads, head_dim, attention_bias, attn_dropout, fused, **factory)
+        self.mlp = SwiGLU(dim, intermediate_size, fused, **factory)
+        self.input_layernorm = norm(dim, eps=eps, **factory)
+        self.post_attention_layernorm = norm(dim, eps=eps, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = add_norm(self.input_layernorm, x, residual, self.fused)
+        attn = self.self_attn(normed, cos, sin, key_padding_mask)
+        normed, residual = add_norm(self.post_attention_layernorm, attn, residual, self.fused)
+        return self.mlp(normed), residual

@@ -1,0 +1,250 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) and grouped-query self-attention over one
+packed QKV projection, as in LLaMA.
+
+``qkv_proj`` (weight ``[(heads + 2 * kv_heads) * head_dim, dim]``) makes q, k and v in one
+GEMM; its rows are Hugging Face's ``q_proj``, ``k_proj`` and ``v_proj`` stacked in that
+order, and the state_dict holds them under those three keys, so HF ``LlamaAttention``
+weights load as they are. q and k are rotated (:func:`rope_qkv_torch`), v is a strided view
+of the projection; ``scaled_dot_product_attention`` computes the attention, with
+``enable_gqa`` (flash, no copy of k/v) when there is no padding mask, and k/v repeated per
+query head otherwise (SDPA's GQA with a mask runs only its math backend).
+
+cos / sin are in HF ``LlamaRotaryEmbedding``'s layout: ``[seq, head_dim]`` or ``[batch,
+seq, head_dim]``, each frequency written twice (``cat(freqs, freqs)``), rotate-half.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lstrain.layers.attention import sdpa_mask
+
+__all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, as HF ``LlamaRotaryEmbedding`` computes them.
+
+    The angles ``position * theta ** (-2i / head_dim)`` are computed in fp32 (fp64 for an fp64
+    ``dtype``) and rounded once to ``dtype``.
+
+    Args:
+        positions: integer positions, ``[seq]`` or ``[batch, seq]``.
+        head_dim: the (even) head width.
+        theta: RoPE's base (``rope_theta``).
+        dtype: of the result (the queries' dtype).
+
+    Returns:
+        ``(cos, sin)``, each ``positions.shape + (head_dim,)``.
+    """
+    compute = torch.promote_types(dtype, torch.float32)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).to(compute) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = positions.to(compute)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J's interleaved rotation partner: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x`` by RoPE in plain torch ops (the reference of ``lstrain.ops.rope``).
+
+    Args:
+        x: ``[batch, heads, seq, head_dim]``.
+        cos, sin: ``[seq, head_dim]`` or ``[batch, seq, head_dim]`` in HF's layout (each
+            frequency twice, ``cat(freqs, freqs)``); cast to x's dtype.
+        interleaved: GPT-J's pairs ``(x[2i], x[2i+1])`` rotated by frequency ``i`` (read from
+            ``cos[..., i]``, the first half of HF's layout) instead of rotate-half's
+            ``(x[i], x[i + head_dim / 2])``.
+
+    Returns:
+        The rotated tensor, shaped like ``x``, contiguous, in x's dtype.
+
+    Raises:
+        ValueError: x is not 4-D with an even head_dim, or cos / sin do not fit it.
+    """
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"rope: x must be [batch, heads, seq, head_dim] with an even head_dim, got {tuple(x.shape)}")
+    batch, _, seq, head_dim = x.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) not in ((seq, head_dim), (batch, seq, head_dim)):
+            raise ValueError(
+                f"rope: {name} must be [seq, head_dim] = {(seq, head_dim)} or [batch, seq, head_dim], "
+                f"got {tuple(t.shape)}"
+            )
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    if interleaved:
+        half = head_dim // 2
+        cos = cos[..., :half].repeat_interleave(2, dim=-1)
+        sin = sin[..., :half].repeat_interleave(2, dim=-1)
+        return (x * cos + _rotate_pairs(x) * sin).contiguous()
+    return (x * cos + _rotate_half(x) * sin).contiguous()
+
+
+def rope_qkv_torch(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v from a packed projection, q and k rotated: plain torch, the contract (and
+    reference) of ``lstrain.ops.rope_qkv``.
+
+    Args:
+        qkv: ``[batch, seq, (num_heads + 2 * num_kv_heads) * head_dim]``: q's heads, then k's,
+            then v's, each head's ``head_dim`` columns together.
+        cos, sin: ``[seq, head_dim]`` or ``[batch, seq, head_dim]``, as for :func:`rope_torch`.
+        num_heads: query heads.
+        num_kv_heads: key / value heads; divides ``num_heads``.
+        interleaved: as for :func:`rope_torch`.
+
+    Returns:
+        ``(q, k, v)``: q ``[batch, num_heads, seq, head_dim]`` and k ``[batch, num_kv_heads,
+        seq, head_dim]`` rotated and contiguous; v ``[batch, num_kv_heads, seq, head_dim]``, a
+        strided view of ``qkv``.
+
+    Raises:
+        ValueError: qkv is not 3-D, its width is not a multiple of the head count, or the
+            head counts do not divide.
+    """
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"rope_qkv: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.dim() != 3 or qkv.shape[-1] % heads:
+        raise ValueError(
+            f"rope_qkv: qkv must be [batch, seq, (num_heads + 2 * num_kv_heads) * head_dim] with "
+            f"{heads} heads, got shape {tuple(qkv.shape)}"
+        )
+    batch, seq, width = qkv.shape
+    parts = qkv.view(batch, seq, heads, width // heads).transpose(1, 2)
+    q, k, v = parts.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    return rope_torch(q, cos, sin, interleaved=interleaved), rope_torch(k, cos, sin, interleaved=interleaved), v
+
+
+class RotaryAttention(torch.nn.Module):
+    """``o_proj(attention(rope(q), rope(k), v))`` with q, k, v from one packed projection and
+    grouped-query attention (``kv_heads`` <= ``heads``), causal, as in LLaMA.
+
+    Parameters: ``qkv_proj.weight`` ``[(heads + 2 * kv_heads) * head_dim, dim]`` (and
+    ``qkv_proj.bias`` with ``bias``), ``o_proj.weight`` ``[dim, heads * head_dim]``;
+    state_dict keys are HF's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``. ``fused``
+    selects the rotary step (lstrain's op once it exists; :func:`rope_qkv_torch` until then)
+    and the backward of the packed projection; the parameters are the same either way.
+
+    Args:
+        dim: model width.
+        heads: query heads.
+        kv_heads: key / value heads; divides ``heads``.
+        head_dim: the (even) width of a head.
+        bias: biases on all four projections (HF's ``attention_bias``).
+        attn_dropout: dropout of the attention probabilities, in training mode only.
+        fused: lstrain's kernels, or plain torch ops.
+        device, dtype: of the parameters.
+
+    Raises:
+        ValueError: head counts that do not divide, an odd head_dim, or a dropout outside [0, 1).
+
+    ``forward(x, cos, sin, key_padding_mask=None)``: ``x`` ``[batch, seq, dim]`` (normalised),
+    cos / sin as for :func:`rope_torch`, ``key_padding_mask`` ``[batch, seq]`` bool (True =
+    padding). Returns ``[batch, seq, dim]`` (the residual is the caller's).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        attn_dropout: float = 0.0,
+        fused: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise ValueError(f"RotaryAttention: heads={heads} must be a positive multiple of kv_heads={kv_heads}")
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"RotaryAttention: head_dim must be a positive even number, got {head_dim}")
+        if not 0.0 <= attn_dropout < 1.0:
+            raise ValueError(f"RotaryAttention: attn_dropout must be in [0, 1), got {attn_dropout}")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.attn_dropout = attn_dropout
+        self.fused = fused
+        factory = {"device": device, "dtype": dtype}
+        self.qkv_proj = torch.nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=bias, **factory)
+        self.o_proj = torch.nn.Linear(heads * head_dim, dim, bias=bias, **factory)
+        self._register_state_dict_hook(_split_qkv)
+        self._register_load_state_dict_pre_hook(self._pack_qkv)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # fused: lstrain.ops.rope_qkv once it lands; until then the same contract in torch ops
+        q, k, v = rope_qkv_torch(self.qkv_proj(x), cos, sin, self.heads, self.kv_heads)
+        p = self.attn_dropout if self.training else 0.0
+        grouped = self.kv_heads != self.heads
+        if key_padding_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)
+        else:
+            if grouped:  # SDPA's enable_gqa with a mask has only the math backend: repeat k/v instead
+                k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+            mask = sdpa_mask(key_padding_mask, seq, True, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+
+    def _sizes(self) -> tuple[int, int, int]:
+        return self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim
+
+    def _pack_qkv(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """HF's q_proj / k_proj / v_proj -> qkv_proj, when all three of a parameter are there
+        (otherwise they stay, reported as unexpected, and qkv_proj as missing)."""
+        for param in ("weight", "bias"):
+            keys = [f"{prefix}{name}_proj.{param}" for name in "qkv"]
+            if all(key in state_dict for key in keys) and _fits([state_dict[key] for key in keys], self._sizes()):
+                state_dict[f"{prefix}qkv_proj.{param}"] = torch.cat([state_dict.pop(key) for key in keys])
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+            f"attn_dropout={self.attn_dropout}, fused={self.fused}"
+        )
+
+
+def _fits(parts: list[torch.Tensor], sizes: tuple[int, int, int]) -> bool:
+    """Whether q, k, v tensors have this layer's row counts and agree in the rest of their
+    shape (else they are left unpacked: reported as unexpected, qkv_proj as missing)."""
+    rows_fit = all(t.dim() >= 1 and t.shape[0] == n for t, n in zip(parts, sizes, strict=True))
+    return rows_fit and len({tuple(t.shape[1:]) for t in parts}) == 1
+
+
+def _split_qkv(module: RotaryAttention, state_dict, prefix, local_metadata):
+    """qkv_proj -> HF's q_proj, k_proj, v_proj (views), in qkv_proj's place in the order."""
+    mine = [key for key in state_dict if key.startswith(prefix)]  # this module's keys come last
+    items = [(key, state_dict.pop(key)) for key in mine]
+    for key, value in items:
+        param = key.removeprefix(f"{prefix}qkv_proj.")
+        if param == key:
+            state_dict[key] = value
+            continue
+        for name, part in zip("qkv", value.split(module._sizes()), strict=True):
+            state_dict[f"{prefix}{name}_proj.{param}"] = part
