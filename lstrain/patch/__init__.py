@@ -2,16 +2,33 @@
 
 ``lstrain.patch`` is this package and is callable: ``lstrain.patch(model, ...)`` is
 :func:`lstrain.patch.instance.patch`, ``lstrain.unpatch(model)`` undoes it. The supported
-families are the one table in ``lstrain.patch.families``.
+families are the one table in ``lstrain.patch.families``: GPT-2 (GPT2LMHeadModel,
+GPT2Model), BERT (BertForMaskedLM, BertModel), LLaMA (LlamaForCausalLM, LlamaModel),
+Mistral (MistralForCausalLM, MistralModel) and Qwen2 (Qwen2ForCausalLM, Qwen2Model).
+
+Supported transformers versions: 5.x. Tested with transformers 5.24 (the CPU, Triton's
+interpreter) and 5.17 (an H200). ``patch`` checks the installed version and refuses another
+major version with a RuntimeError (:func:`check_transformers_version`): 4.x models route
+labels, caches and attention differently, and a 6.x may again.
 """
 
 import sys
 import types
 
 from lstrain.patch.families import FAMILIES, Family, supported_names
-from lstrain.patch.instance import LeftAlone, PatchReport, Swapped, patch, unpatch
+from lstrain.patch.instance import LeftAlone, PatchReport, Swapped, check_transformers_version, patch, unpatch
 
-__all__ = ["FAMILIES", "Family", "LeftAlone", "PatchReport", "Swapped", "patch", "supported_names", "unpatch"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "LeftAlone",
+    "PatchReport",
+    "Swapped",
+    "check_transformers_version",
+    "patch",
+    "supported_names",
+    "unpatch",
+]
 
 
 class _CallablePackage(types.ModuleType):

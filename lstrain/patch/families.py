@@ -1,14 +1,20 @@
 """The one table of Hugging Face model families that ``lstrain.patch`` supports.
 
 A family names the exact transformers classes it covers (matched by module and name, so
-that transformers is never imported here), where its LM head is and which loss its own
-forward computes. A class outside this table is refused: its forward may route labels,
-heads or losses in ways the patched forward would get wrong.
+that transformers is never imported here), where its LM head is, which loss its own
+forward computes, and the family's own RMSNorm and attention classes whose instances
+``patch`` may swap or route through lstrain. A class outside this table is refused: its
+forward may route labels, heads or losses in ways the patched forward would get wrong.
+
+Mistral and Qwen2 are LLaMA's modules under their own names (transformers generates their
+modeling files from LLaMA's): the same RMSNorm (fp32 statistics, ``variance_epsilon``),
+rotary embedding and attention, whose only difference is the ``sliding_window`` argument
+their attention forwards pass on to the attention function.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["FAMILIES", "Family", "family_of", "supported_names"]
 
@@ -24,11 +30,20 @@ class Family:
         loss: the loss the class's own forward computes from its labels: ``"causal"``
             (transformers' ``ForCausalLMLoss``: labels shifted left, ``num_items_in_batch``
             honoured) or ``"masked"`` (``CrossEntropyLoss()``'s mean, as BertForMaskedLM).
+        rms_norms: ``module.QualName`` of the family's RMSNorm classes (weight times the
+            input normalised in fp32, eps in ``variance_epsilon``), swapped for
+            ``lstrain.nn.RMSNorm``.
+        attentions: ``module.QualName`` of the family's rotary attention classes -> where
+            its forward takes the ``sliding_window`` it passes to the attention function:
+            ``"none"`` (LLaMA passes none), ``"config"`` (``config.sliding_window``, as
+            Mistral) or ``"module"`` (the module's own ``sliding_window``, as Qwen2).
     """
 
     name: str
     classes: dict[str, str | None]
     loss: str
+    rms_norms: tuple[str, ...] = ()
+    attentions: dict[str, str] = field(default_factory=dict)
 
 
 FAMILIES = (
@@ -47,6 +62,36 @@ FAMILIES = (
             "transformers.models.bert.modeling_bert.BertModel": None,
         },
         loss="masked",
+    ),
+    Family(
+        name="LLaMA",
+        classes={
+            "transformers.models.llama.modeling_llama.LlamaForCausalLM": "lm_head",
+            "transformers.models.llama.modeling_llama.LlamaModel": None,
+        },
+        loss="causal",
+        rms_norms=("transformers.models.llama.modeling_llama.LlamaRMSNorm",),
+        attentions={"transformers.models.llama.modeling_llama.LlamaAttention": "none"},
+    ),
+    Family(
+        name="Mistral",
+        classes={
+            "transformers.models.mistral.modeling_mistral.MistralForCausalLM": "lm_head",
+            "transformers.models.mistral.modeling_mistral.MistralModel": None,
+        },
+        loss="causal",
+        rms_norms=("transformers.models.mistral.modeling_mistral.MistralRMSNorm",),
+        attentions={"transformers.models.mistral.modeling_mistral.MistralAttention": "config"},
+    ),
+    Family(
+        name="Qwen2",
+        classes={
+            "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "lm_head",
+            "transformers.models.qwen2.modeling_qwen2.Qwen2Model": None,
+        },
+        loss="causal",
+        rms_norms=("transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",),
+        attentions={"transformers.models.qwen2.modeling_qwen2.Qwen2Attention": "module"},
     ),
 )
 

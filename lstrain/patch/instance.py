@@ -1,30 +1,59 @@
 """Patch one Hugging Face model instance in place, and undo it.
 
-Only the instance changes: its ``torch.nn.LayerNorm`` submodules are replaced by
-``lstrain.nn.LayerNorm`` modules holding the *same* Parameter objects (so state_dict keys,
-tensors, tied weights and optimizer state are untouched), and, for a model with an LM head,
-an instance attribute ``forward`` shadows the class's forward to compute the loss through
-``lstrain.ops.linear_cross_entropy``. The class, and every other instance of it, is left as
-it was; ``unpatch`` puts the original modules back and removes the instance ``forward``.
+Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family's RMSNorm
+modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
+*same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
+untouched); for a model with an LM head, an instance attribute ``forward`` shadows the
+class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and, once
+``lstrain.ops.rope`` exists, each rotary attention module gets an instance ``forward`` that
+rotates q and k through it. The class, every other instance of it and transformers' module
+functions are left as they were; ``unpatch`` puts the original modules back and removes
+(or restores) the instance ``forward`` attributes.
+
+Numerics of the RMSNorm swap: transformers' LlamaRMSNorm (and Mistral's, Qwen2's) computes
+``x * rsqrt(mean(x^2) + eps)`` in fp32, casts that to the input's dtype, then multiplies by
+the weight in the weight's dtype: two roundings in bf16/fp16, and a result of the promoted
+dtype (fp32 for fp32 weights and a bf16 input). ``lstrain.ops.rms_norm`` does all of it in
+fp32 with one rounding to the input's dtype. In fp32 the two agree to a few ulp; in bf16 the
+kernel is the more accurate of the two (inside the tolerance rule); an output dtype differs
+only for a weight dtype other than the input's, which a HF model does not have outside
+autocast, and under autocast the residual stream an RMSNorm reads is fp32 anyway.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
+import lstrain.ops
 from lstrain.nn.layer_norm import LayerNorm
-from lstrain.patch.families import family_of
+from lstrain.nn.rms_norm import RMSNorm
+from lstrain.patch.families import Family, family_of
 from lstrain.patch.loss import LOSSES
 
-__all__ = ["LeftAlone", "PatchReport", "Swapped", "patch", "unpatch"]
+__all__ = [
+    "SUPPORTED_TRANSFORMERS_MAJOR",
+    "LeftAlone",
+    "PatchReport",
+    "Swapped",
+    "check_transformers_version",
+    "patch",
+    "unpatch",
+]
 
 # Where a patched model keeps what unpatch needs (a plain attribute: not in its state_dict).
 _STATE = "_lstrain_patch"
 _LOSS_ROUTE = "torch.nn.Linear + cross-entropy on logits"
+_ROPE_ROUTE = "transformers' apply_rotary_pos_emb"
+# The transformers major versions this module is written against (tested: 5.17 on an H200,
+# 5.24 on the CPU).
+SUPPORTED_TRANSFORMERS_MAJOR = 5
+# The names a KV cache goes by in the attention forwards of transformers 5.x.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
 
 
 @dataclass(frozen=True)
@@ -59,7 +88,8 @@ class _PatchState:
     report: PatchReport
     # (parent module, child name, original module) of every swapped module.
     modules: list[tuple[torch.nn.Module, str, torch.nn.Module]]
-    patched_forward: bool
+    # (module, the instance forward it had before, or None) of every module given a forward.
+    forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)
 
 
 def _type_name(module: object) -> str:
@@ -72,6 +102,19 @@ def _has_hooks(module: torch.nn.Module) -> bool:
         getattr(module, name)
         for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     )
+
+
+def _replace(model: torch.nn.Module, path: str, old: torch.nn.Module, new: torch.nn.Module, state) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    setattr(parent, name, new)
+    state.modules.append((parent, name, old))
+    state.report.swapped.append(Swapped(path, _type_name(old), _type_name(new)))
+
+
+def _set_forward(module: torch.nn.Module, forward, state: _PatchState) -> None:
+    state.forwards.append((module, module.__dict__.get("forward")))
+    module.forward = forward
 
 
 def _shared_layer_norm(old: torch.nn.LayerNorm) -> LayerNorm:
@@ -98,12 +141,125 @@ def _swap_layer_norms(model: torch.nn.Module, enabled: bool, state: _PatchState)
         elif _has_hooks(old):
             report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
         else:
-            parent_path, _, name = path.rpartition(".")
-            parent = model.get_submodule(parent_path)
-            new = _shared_layer_norm(old)
-            setattr(parent, name, new)
-            state.modules.append((parent, name, old))
-            report.swapped.append(Swapped(path, _type_name(old), _type_name(new)))
+            _replace(model, path, old, _shared_layer_norm(old), state)
+
+
+def _shared_rms_norm(old: torch.nn.Module) -> RMSNorm:
+    """An ``lstrain.nn.RMSNorm`` holding ``old``'s own weight, with ``old``'s eps."""
+    new = RMSNorm(tuple(old.weight.shape), eps=float(old.variance_epsilon), device="meta")
+    new.weight = old.weight
+    new.train(old.training)
+    return new
+
+
+def _swap_rms_norms(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
+    report = state.report
+    for path, old in list(model.named_modules()):
+        name = _type_name(old)
+        if name not in family.rms_norms:
+            if type(old).__name__.endswith("RMSNorm") and not isinstance(old, RMSNorm):
+                report.left_alone.append(LeftAlone(path, f"{name} is not one of {family.name}'s RMSNorm classes"))
+            continue
+        weight = old._parameters.get("weight")
+        if not enabled:
+            report.left_alone.append(LeftAlone(path, "rms_norm=False"))
+        elif _has_hooks(old):
+            report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
+        elif weight is None or weight.dim() != 1 or not isinstance(getattr(old, "variance_epsilon", None), float):
+            report.left_alone.append(LeftAlone(path, "has no 1-d weight and float variance_epsilon to carry over"))
+        else:
+            _replace(model, path, old, _shared_rms_norm(old), state)
+
+
+def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str):
+    """A forward for one rotary attention module that rotates q and k through ``rope``.
+
+    It is the forward of transformers 5.x's LlamaAttention (Mistral's, Qwen2's) with the
+    rotation through lstrain's op: the projections, the KV cache update, the attention
+    function the config names and the output projection are the module's own. The cache is
+    updated as a ``DynamicCache`` (what a forward builds by default, even in training, where
+    ``config.use_cache`` is True) is in every 5.x release: ``update(k, v, layer_idx)``; a call
+    with another cache (static, quantized: generation) runs the module's own forward.
+    """
+    original = attention.forward
+    models_module = sys.modules[type(attention).__module__]
+    eager = models_module.eager_attention_forward
+    functions = models_module.ALL_ATTENTION_FUNCTIONS
+    dynamic_cache = models_module.DynamicCache
+
+    @functools.wraps(original)
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+        if position_embeddings is None or (cache is not None and type(cache) is not dynamic_cache):
+            return original(hidden_states, position_embeddings, attention_mask, **kwargs)
+        for name in _CACHE_ARGUMENTS:
+            kwargs.pop(name, None)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, attention.head_dim)
+        query = attention.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = attention.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = attention.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = rope(query, cos, sin), rope(key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, attention.layer_idx)
+        implementation = attention.config._attn_implementation
+        if hasattr(functions, "get_interface"):
+            interface = functions.get_interface(implementation, eager)
+        else:
+            interface = eager if implementation in (None, "eager") else functions[implementation]
+        if sliding_window == "config":
+            kwargs["sliding_window"] = getattr(attention.config, "sliding_window", None)
+        elif sliding_window == "module":
+            kwargs["sliding_window"] = attention.sliding_window
+        output, weights = interface(
+            attention, query, key, value, attention_mask,
+            dropout=0.0 if not attention.training else attention.attention_dropout,
+            scaling=attention.scaling, **kwargs,
+        )  # fmt: skip
+        output = attention.o_proj(output.reshape(*input_shape, -1).contiguous())
+        return output, weights
+
+    return forward
+
+
+def _rope_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s forward cannot be routed through lstrain's rope, or None if it can."""
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    names = [p.name for p in parameters[:3]]
+    if names != ["hidden_states", "position_embeddings", "attention_mask"] or parameters[-1].kind != (
+        inspect.Parameter.VAR_KEYWORD
+    ):
+        return f"its forward takes ({', '.join(p.name for p in parameters)}), not this transformers 5.x one"
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "attention_dropout")
+    missing = [name for name in needed if not hasattr(module, name)]
+    if missing:
+        return f"has no {', '.join(missing)}"
+    models_module = sys.modules[type(module).__module__]
+    needed = ("eager_attention_forward", "ALL_ATTENTION_FUNCTIONS", "DynamicCache")
+    missing = [name for name in needed if not hasattr(models_module, name)]
+    if missing:
+        return f"{models_module.__name__} has no {', '.join(missing)}"
+    return None
+
+
+def _route_rope(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
+    report = state.report
+    rope = getattr(lstrain.ops, "rope", None)
+    for path, module in model.named_modules():
+        sliding_window = family.attentions.get(_type_name(module))
+        if sliding_window is None:
+            continue
+        if not enabled:
+            report.left_alone.append(LeftAlone(path, "rope=False"))
+        elif rope is None:
+            reason = "lstrain.ops.rope does not exist yet: transformers' apply_rotary_pos_emb rotates q and k"
+            report.left_alone.append(LeftAlone(path, reason))
+        elif (reason := _rope_reason(module)) is not None:
+            report.left_alone.append(LeftAlone(path, reason))
+        else:
+            _set_forward(module, _rope_attention_forward(module, rope, sliding_window), state)
+            report.swapped.append(Swapped(path, _ROPE_ROUTE, "lstrain.ops.rope"))
 
 
 def _return_input(hidden: torch.Tensor) -> torch.Tensor:
@@ -153,21 +309,59 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
     return forward
 
 
-def patch(model: torch.nn.Module, *, layer_norm: bool = True, cross_entropy: bool = True) -> PatchReport:
+def check_transformers_version(version: str | None = None) -> str:
+    """Check that the installed transformers is one ``patch`` is written against.
+
+    Args:
+        version: the version to check; None reads ``transformers.__version__``.
+
+    Returns:
+        The version checked.
+
+    Raises:
+        RuntimeError: the major version is not ``SUPPORTED_TRANSFORMERS_MAJOR`` (5).
+    """
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    major = version.split(".", 1)[0]
+    if not major.isdigit() or int(major) != SUPPORTED_TRANSFORMERS_MAJOR:
+        raise RuntimeError(
+            f"lstrain.patch supports transformers {SUPPORTED_TRANSFORMERS_MAJOR}.x (tested with 5.17 and 5.24), "
+            f"not the installed {version}: its models' forwards, losses and attention differ"
+        )
+    return version
+
+
+def patch(
+    model: torch.nn.Module,
+    *,
+    layer_norm: bool = True,
+    rms_norm: bool = True,
+    rope: bool = True,
+    cross_entropy: bool = True,
+) -> PatchReport:
     """Put lstrain's fused modules and loss into a Hugging Face model instance, in place.
 
-    Supported: GPT2LMHeadModel, GPT2Model, BertForMaskedLM, BertModel (``lstrain.patch.
-    families``). The class is never changed. With ``cross_entropy``, a forward given
-    ``labels`` returns the loss computed by ``lstrain.ops.linear_cross_entropy`` with the
-    model's own semantics (GPT-2's label shift, ignore index -100, the mean over kept
-    tokens, ``num_items_in_batch``) and ``logits=None``; pass ``return_logits=True`` to the
-    forward to get transformers' own logits and loss instead. Patching a patched model with
-    the same options is a no-op that returns the first report.
+    Supported (``lstrain.patch.families``): GPT2LMHeadModel, GPT2Model, BertForMaskedLM,
+    BertModel, LlamaForCausalLM, LlamaModel, MistralForCausalLM, MistralModel,
+    Qwen2ForCausalLM, Qwen2Model, with transformers 5.x. The class is never changed. With
+    ``cross_entropy``, a forward given ``labels`` returns the loss computed by
+    ``lstrain.ops.linear_cross_entropy`` with the model's own semantics (the causal label
+    shift, ignore index -100, the mean over kept tokens, ``num_items_in_batch``) and
+    ``logits=None``; pass ``return_logits=True`` to the forward to get transformers' own
+    logits and loss instead. Patching a patched model with the same options is a no-op that
+    returns the first report.
 
     Args:
         model: the model instance.
         layer_norm: replace every ``torch.nn.LayerNorm`` by ``lstrain.nn.LayerNorm``, sharing
             its Parameters.
+        rms_norm: replace the family's RMSNorm modules (LlamaRMSNorm, ...) by
+            ``lstrain.nn.RMSNorm``, sharing their weights.
+        rope: rotate q and k of the family's attention modules through ``lstrain.ops.rope``
+            (once that op exists; until then the report lists them as left alone).
         cross_entropy: compute the LM-head loss without logits.
 
     Returns:
@@ -175,9 +369,10 @@ def patch(model: torch.nn.Module, *, layer_norm: bool = True, cross_entropy: boo
 
     Raises:
         TypeError: the model's class is not supported (the message lists what is).
+        RuntimeError: the installed transformers is not a supported major version.
         ValueError: the model is already patched with other options.
     """
-    options = {"layer_norm": layer_norm, "cross_entropy": cross_entropy}
+    options = {"layer_norm": layer_norm, "rms_norm": rms_norm, "rope": rope, "cross_entropy": cross_entropy}
     state = model.__dict__.get(_STATE)
     if state is not None:
         if state.options != options:
@@ -186,23 +381,25 @@ def patch(model: torch.nn.Module, *, layer_norm: bool = True, cross_entropy: boo
             )
         return state.report
     family, head_path = family_of(model)
-    state = _PatchState(options, PatchReport(family.name), [], patched_forward=False)
+    check_transformers_version()
+    state = _PatchState(options, PatchReport(family.name), [])
     _swap_layer_norms(model, layer_norm, state)
+    _swap_rms_norms(model, family, rms_norm, state)
+    _route_rope(model, family, rope, state)
     if head_path is None:
         state.report.left_alone.append(LeftAlone("", f"{type(model).__name__} has no LM head, so no loss to fuse"))
     elif not cross_entropy:
         state.report.left_alone.append(LeftAlone(head_path, "cross_entropy=False"))
     else:
         # An instance attribute shadows the class's forward for this model only.
-        model.forward = _fused_loss_forward(model, head_path, family.loss)
-        state.patched_forward = True
+        _set_forward(model, _fused_loss_forward(model, head_path, family.loss), state)
         state.report.swapped.append(Swapped(head_path, _LOSS_ROUTE, "lstrain.ops.linear_cross_entropy"))
     model.__dict__[_STATE] = state
     return state.report
 
 
 def unpatch(model: torch.nn.Module) -> bool:
-    """Undo ``patch``: the original modules and the class's forward come back.
+    """Undo ``patch``: the original modules and forwards come back.
 
     The original modules hold the same Parameters the patched ones did, so whatever training
     did to the weights is kept.
@@ -218,6 +415,9 @@ def unpatch(model: torch.nn.Module) -> bool:
         return False
     for parent, name, old in reversed(state.modules):
         setattr(parent, name, old)
-    if state.patched_forward:
-        del model.forward
+    for module, previous in reversed(state.forwards):
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
     return True

@@ -1,0 +1,313 @@
+"""lstrain.patch on tiny random LLaMA, Mistral and Qwen2 models: the same losses, gradients and weights."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+
+import pytest
+import torch
+
+import lstrain
+import lstrain.ops
+from lstrain import _backend
+from lstrain.nn import RMSNorm
+from lstrain.patch import instance
+from tests.patch.test_instance import DEVICE, TOLERANCE, VOCAB, _batch, _gpt2, _loss_and_grads
+
+transformers = pytest.importorskip("transformers")
+
+EXPECTED_BACKEND = "triton" if torch.cuda.is_available() else "interpreter"
+LAYERS = 2
+
+
+def _config(family: str, tied: bool = False):
+    common = dict(
+        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, attn_implementation="eager",
+    )  # fmt: skip
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":  # a window shorter than the batch's 12 tokens: the sliding mask is used
+        return transformers.MistralConfig(sliding_window=8, **common)
+    return transformers.Qwen2Config(**common)  # Qwen2: biased q, k, v projections
+
+
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+BASE = {"llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+
+
+def _model(family: str = "llama", *, tied: bool = False, base: bool = False):
+    torch.manual_seed(0)
+    model = getattr(transformers, (BASE if base else CAUSAL_LM)[family])(_config(family, tied))
+    with torch.no_grad():  # HF initialises RMSNorm weights to one; other weights are checked too
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                parameter.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model.to(DEVICE)
+
+
+def _rope_stand_in(calls: list):
+    """HF's rotate_half rotation in the layout ``lstrain.ops.rope`` takes: q or k ``[batch,
+    heads, seq, head_dim]``, cos and sin ``[batch or 1, seq, head_dim]`` (HF's rotary embedding
+    gives a batch of 1 for the default position_ids), used until the op lands."""
+
+    def rope(x, cos, sin, *, interleaved=False):
+        assert not interleaved and x.dim() == 4 and cos.shape == sin.shape
+        assert cos.shape[0] in (1, x.shape[0]) and cos.shape[1:] == x.shape[2:]
+        calls.append(tuple(x.shape))
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+    return rope
+
+
+class _OtherCache(transformers.DynamicCache):
+    """A cache that is not exactly a DynamicCache."""
+
+
+# The KV cache argument's name: ``cache`` from transformers 5.2x (``past_key_values`` deprecated).
+_CACHE = (
+    "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+)
+
+
+def _cache_of(output):
+    """The KV cache of a model output (``cache`` from transformers 5.2x, ``past_key_values`` before)."""
+    cache = output.get("cache")
+    return cache if cache is not None else output["past_key_values"]
+
+
+FAMILIES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False)]
+IDS = ["llama", "llama-tied", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize(("family", "tied"), FAMILIES, ids=IDS)
+def test_patched_loss_and_gradients_match_hf(family, tied):
+    reference = _model(family, tied=tied)
+    model = copy.deepcopy(reference)
+    report = lstrain.patch(model)
+    norms = [s.path for s in report.swapped if s.new_type == "lstrain.nn.rms_norm.RMSNorm"]
+    assert len(norms) == 2 * LAYERS + 1 and "model.norm" in norms
+    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.linear_cross_entropy"] == ["lm_head"]
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    input_ids, labels = _batch(False)
+
+    expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
+    with _backend.record_backends() as ran:
+        got, grads = _loss_and_grads(model, input_ids, labels)
+    assert {"rms_norm", "linear_cross_entropy"} <= {op for op, _ in ran}
+    assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
+    assert got.logits is None, "the patched loss must not build logits"
+    torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
+    assert grads.keys() == expected_grads.keys() and len(grads) == len(list(reference.parameters()))
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_rotary_attention_is_left_alone_until_the_rope_op_exists(monkeypatch):
+    monkeypatch.delattr(lstrain.ops, "rope", raising=False)
+    model = _model()
+    report = lstrain.patch(model)
+    attentions = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
+    assert [item.path for item in report.left_alone] == attentions
+    assert all("lstrain.ops.rope does not exist yet" in item.reason for item in report.left_alone)
+    assert all("forward" not in model.get_submodule(path).__dict__ for path in attentions)
+
+
+@pytest.mark.parametrize(("family", "tied"), [("llama", True), ("mistral", False), ("qwen2", False)])
+def test_rope_routes_each_attention_through_the_op(monkeypatch, family, tied):
+    # A stand-in with lstrain.ops.rope's signature checks the routing, whether or not the op has landed.
+    calls = []
+    monkeypatch.setattr(lstrain.ops, "rope", _rope_stand_in(calls), raising=False)
+    reference = _model(family, tied=tied)
+    model = copy.deepcopy(reference)
+    report = lstrain.patch(model)
+    attentions = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
+    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.rope"] == attentions
+    assert report.left_alone == []
+    input_ids, labels = _batch(False)
+    expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
+    got, grads = _loss_and_grads(model, input_ids, labels)
+    assert calls == [(2, 4, 12, 8), (2, 2, 12, 8)] * LAYERS  # q and k (grouped: 2 kv heads) of each layer
+    torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+    # A DynamicCache (what a forward builds by default) is updated on the op's path: a prompt,
+    # then one more token reading the cache, as generation does.
+    calls.clear()
+    with torch.no_grad():
+        steps = [m(input_ids, use_cache=True) for m in (model, reference)]
+        assert len(calls) == 2 * LAYERS
+        next_ids = input_ids[:, :1]
+        steps += [m(next_ids, **{_CACHE: _cache_of(out)}) for m, out in zip((model, reference), steps, strict=True)]
+        assert len(calls) == 4 * LAYERS
+        for got_step, expected_step in (steps[0:2], steps[2:4]):
+            torch.testing.assert_close(got_step.logits, expected_step.logits, **TOLERANCE)
+        # Another cache type (static, quantized, ...) runs the attention's own forward.
+        calls.clear()
+        other = [m(input_ids, **{_CACHE: _OtherCache()}) for m in (model, reference)]
+        assert calls == []
+        torch.testing.assert_close(other[0].logits, other[1].logits, **TOLERANCE)
+    assert lstrain.unpatch(model)
+    assert all("forward" not in model.get_submodule(path).__dict__ for path in attentions)
+
+
+@pytest.mark.skipif(not hasattr(lstrain.ops, "rope"), reason="lstrain.ops.rope has not landed yet")
+def test_rope_op_matches_hf_rotary():
+    reference = _model("llama")
+    model = copy.deepcopy(reference)
+    report = lstrain.patch(model)
+    assert sum(s.new_type == "lstrain.ops.rope" for s in report.swapped) == LAYERS
+    input_ids, labels = _batch(False)
+    expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
+    with _backend.record_backends() as ran:
+        got, grads = _loss_and_grads(model, input_ids, labels)
+    assert "rope" in {op for op, _ in ran} and {backend for _, backend in ran} == {EXPECTED_BACKEND}
+    torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_num_items_in_batch_matches_hf():
+    reference = _model("llama")
+    model = copy.deepcopy(reference)
+    lstrain.patch(model)
+    input_ids, labels = _batch(False)
+    num_items = torch.tensor(int((labels != -100).sum()) + 7, device=DEVICE)
+    expected = reference(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+    got = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    assert not torch.allclose(expected, reference(input_ids=input_ids, labels=labels).loss)
+
+
+@pytest.mark.parametrize(("family", "tied"), FAMILIES, ids=IDS)
+def test_state_dict_is_unchanged(family, tied):
+    model = _model(family, tied=tied)
+    before = model.state_dict()
+    parameters = dict(model.named_parameters())
+    lstrain.patch(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for key, tensor in after.items():
+        assert tensor.data_ptr() == before[key].data_ptr() and torch.equal(tensor, before[key]), key
+    assert all(p is parameters[n] for n, p in model.named_parameters()), "Parameters must be reused, not copied"
+
+
+def test_rms_norm_keeps_eps_and_mode():
+    model = _model("llama")
+    model.eval()
+    lstrain.patch(model)
+    norm = model.model.norm
+    assert type(norm) is RMSNorm and norm.eps == 1e-5 and not norm.training
+    assert norm.weight is model.state_dict(keep_vars=True)["model.norm.weight"]
+
+
+def test_patching_twice_is_a_no_op():
+    model = _model("llama")
+    report = lstrain.patch(model)
+    modules = dict(model.named_modules())
+    forwards = {path: module.__dict__.get("forward") for path, module in modules.items()}
+    assert lstrain.patch(model) is report
+    assert dict(model.named_modules()) == modules
+    assert {path: module.__dict__.get("forward") for path, module in modules.items()} == forwards
+    with pytest.raises(ValueError, match="already patched"):
+        lstrain.patch(model, rms_norm=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_unpatch_restores_modules_and_outputs(family, monkeypatch):
+    monkeypatch.setattr(lstrain.ops, "rope", _rope_stand_in([]), raising=False)
+    model = _model(family)
+    types_before = {path: type(module) for path, module in model.named_modules()}
+    input_ids, labels = _batch(False)
+    with torch.no_grad():
+        before = model(input_ids=input_ids, labels=labels)
+    lstrain.patch(model)
+    assert any(isinstance(m, RMSNorm) for m in model.modules())
+    assert lstrain.unpatch(model) and not lstrain.unpatch(model)
+    assert {path: type(module) for path, module in model.named_modules()} == types_before
+    assert all("forward" not in module.__dict__ for module in model.modules())
+    with torch.no_grad():
+        after = model(input_ids=input_ids, labels=labels)
+    assert torch.equal(after.loss, before.loss) and torch.equal(after.logits, before.logits)
+
+
+def test_unpatch_restores_a_forward_the_instance_had():
+    model = _model("llama")
+    attention = model.model.layers[0].self_attn
+    own = attention.forward  # e.g. what accelerate's hooks set on an instance
+    attention.forward = own
+    model.forward = model.forward
+    own_model_forward = model.__dict__["forward"]
+    lstrain.patch(model)
+    lstrain.unpatch(model)
+    assert attention.__dict__["forward"] is own and model.__dict__["forward"] is own_model_forward
+
+
+@pytest.mark.parametrize(("build", "tied"), [("llama", False), ("gpt2", False), ("llama", True)])
+def test_save_pretrained_from_pretrained_round_trip(tmp_path, build, tied):
+    reference = _gpt2() if build == "gpt2" else _model("llama", tied=tied)
+    reference.save_pretrained(tmp_path / "reference")
+    model = copy.deepcopy(reference)
+    lstrain.patch(model)
+    model.save_pretrained(tmp_path / "patched")
+    reference_files = sorted(p.name for p in (tmp_path / "reference").iterdir())
+    assert sorted(p.name for p in (tmp_path / "patched").iterdir()) == reference_files
+    loaded = type(reference).from_pretrained(tmp_path / "patched").to(DEVICE)
+    assert list(loaded.state_dict()) == list(reference.state_dict())
+    for key, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[key]), key
+    lstrain.patch(loaded)
+    input_ids, labels = _batch(False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=input_ids, labels=labels).loss, reference(input_ids=input_ids, labels=labels).loss,
+            **TOLERANCE,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_base_models_patch_rms_norms(family):
+    reference = _model(family, base=True)
+    model = copy.deepcopy(reference)
+    report = lstrain.patch(model)
+    assert sum(s.new_type == "lstrain.nn.rms_norm.RMSNorm" for s in report.swapped) == 2 * LAYERS + 1
+    assert "" in [item.path for item in report.left_alone]
+    input_ids, _ = _batch(False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids).last_hidden_state, reference(input_ids).last_hidden_state, **TOLERANCE
+        )
+
+
+def test_options_leave_rms_norms_and_attention_alone():
+    model = _model("qwen2")
+    report = lstrain.patch(model, rms_norm=False, rope=False, cross_entropy=False)
+    assert report.swapped == [] and all("forward" not in m.__dict__ for m in model.modules())
+    assert {item.reason for item in report.left_alone} == {"rms_norm=False", "rope=False", "cross_entropy=False"}
+
+
+def test_unsupported_llama_class_names_the_supported_ones():
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(_config("llama"))
+    with pytest.raises(TypeError, match="LlamaForSequenceClassification.*LlamaForCausalLM, LlamaModel"):
+        lstrain.patch(model)
+
+
+def test_unsupported_transformers_major_version_is_refused(monkeypatch):
+    for version in ("5.17.0", "5.24.0", "5.0.0.dev0"):
+        assert instance.check_transformers_version(version) == version
+    for version in ("4.46.3", "6.0.0", "nightly"):
+        with pytest.raises(RuntimeError, match=f"supports transformers 5.x.*not the installed {version}"):
+            instance.check_transformers_version(version)
+    # sys.modules' own: transformers' lazy module may have been replaced since this file imported it
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    model = _model("llama")
+    with pytest.raises(RuntimeError, match="4.57.1"):
+        lstrain.patch(model)
+    assert "_lstrain_patch" not in model.__dict__ and not any(isinstance(m, RMSNorm) for m in model.modules())
