@@ -64,11 +64,12 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
 
     Args:
         x: ``[batch, heads, seq, head_dim]``.
-        cos, sin: ``[seq, head_dim]`` or ``[batch, seq, head_dim]`` in HF's layout (each
-            frequency twice, ``cat(freqs, freqs)``); cast to x's dtype.
-        interleaved: GPT-J's pairs ``(x[2i], x[2i+1])`` rotated by frequency ``i`` (read from
-            ``cos[..., i]``, the first half of HF's layout) instead of rotate-half's
-            ``(x[i], x[i + head_dim / 2])``.
+        cos, sin: ``[seq, head_dim]`` or ``[batch or 1, seq, head_dim]``, one full row per
+            position, taken as given (HF's layout for rotate-half: ``cat(freqs, freqs)``;
+            for interleaved, GPT-J's: each frequency repeated in place); cast to x's dtype.
+        interleaved: GPT-J's ``rotate_every_two``, element ``2i`` paired with ``2i + 1``
+            (``x * cos + rotate_every_two(x) * sin``) instead of rotate-half's ``i`` with
+            ``i + head_dim / 2``.
 
     Returns:
         The rotated tensor, shaped like ``x``, contiguous, in x's dtype.
@@ -80,20 +81,16 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
         raise ValueError(f"rope: x must be [batch, heads, seq, head_dim] with an even head_dim, got {tuple(x.shape)}")
     batch, _, seq, head_dim = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) not in ((seq, head_dim), (batch, seq, head_dim)):
+        if tuple(t.shape) not in ((seq, head_dim), (batch, seq, head_dim), (1, seq, head_dim)):
             raise ValueError(
-                f"rope: {name} must be [seq, head_dim] = {(seq, head_dim)} or [batch, seq, head_dim], "
+                f"rope: {name} must be [seq, head_dim] = {(seq, head_dim)} or [batch or 1, seq, head_dim], "
                 f"got {tuple(t.shape)}"
             )
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    if interleaved:
-        half = head_dim // 2
-        cos = cos[..., :half].repeat_interleave(2, dim=-1)
-        sin = sin[..., :half].repeat_interleave(2, dim=-1)
-        return (x * cos + _rotate_pairs(x) * sin).contiguous()
-    return (x * cos + _rotate_half(x) * sin).contiguous()
+    rotated = _rotate_pairs(x) if interleaved else _rotate_half(x)
+    return (x * cos + rotated * sin).contiguous()
 
 
 def rope_qkv_torch(
@@ -111,7 +108,7 @@ def rope_qkv_torch(
     Args:
         qkv: ``[batch, seq, (num_heads + 2 * num_kv_heads) * head_dim]``: q's heads, then k's,
             then v's, each head's ``head_dim`` columns together.
-        cos, sin: ``[seq, head_dim]`` or ``[batch, seq, head_dim]``, as for :func:`rope_torch`.
+        cos, sin: ``[seq, head_dim]`` or ``[batch or 1, seq, head_dim]``, as for :func:`rope_torch`.
         num_heads: query heads.
         num_kv_heads: key / value heads; divides ``num_heads``.
         interleaved: as for :func:`rope_torch`.

@@ -274,9 +274,8 @@ def test_rotary_cos_sin_and_rope_match_hugging_face():
 def test_interleaved_rope_is_the_complex_rotation_of_pairs():
     """GPT-J / Meta's LLaMA reference: (x[2i] + i x[2i+1]) * exp(i * angle_i)."""
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
-    positions = torch.arange(5)
-    cos, sin = rotary_cos_sin(positions, 8, 10000.0, torch.float64)
-    angles = torch.atan2(sin[:, :4], cos[:, :4])
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, 8, 2) / 8)
+    cos, sin = (f(angles).repeat_interleave(2, dim=-1) for f in (torch.cos, torch.sin))  # GPT-J's layout
     expected = torch.view_as_real(
         torch.view_as_complex(x.unflatten(-1, (4, 2)).contiguous()) * torch.polar(torch.ones_like(angles), angles)
     ).flatten(-2)
