@@ -6,7 +6,7 @@ pure function of its arguments, so resuming needs only the step.
 """
 
 from lstrain.data.build import Data, DataConfig, build_data
-from lstrain.data.stream import IGNORE_INDEX, TokenStream, mask_tokens
+from lstrain.data.stream import IGNORE_INDEX, TokenStream, mask_tokens, mask_tokens_fixed
 from lstrain.data.tokenizer import BPETokenizer, ByteTokenizer, IdsTokenizer, Tokenizer
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "Tokenizer",
     "build_data",
     "mask_tokens",
+    "mask_tokens_fixed",
 ]

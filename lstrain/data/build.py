@@ -50,6 +50,14 @@ class DataConfig:
         cache_dir: where tokenizers and token ids are cached; None for ~/.cache/lstrain.
         max_bytes: the most bytes of text read, or None for all.
         mlm_probability: the share of tokens MLM masking selects (``build_data(mlm=True)``).
+        max_predictions_per_seq: MLM only. None: each token is selected with
+            ``mlm_probability`` (HF's collator) and ``labels`` says which. An int P: original
+            BERT pretraining's ``create_masked_lm_predictions``: each sequence gets exactly
+            ``min(P, max(1, round(mlm_probability * candidates)))`` masked positions, and the
+            batch also carries them at a fixed size, ``masked_positions`` and
+            ``masked_labels`` ``[batch, P]`` (padded with position 0 and label -100), for a
+            loss over gathered rows with a static shape (capturable in a CUDA graph).
+            BERT used 20 at seq_len 128 and 76-80 at 512.
     """
 
     source: str = "python-stdlib"
@@ -59,6 +67,7 @@ class DataConfig:
     cache_dir: str | None = None
     max_bytes: int | None = None
     mlm_probability: float = 0.15
+    max_predictions_per_seq: int | None = None
 
 
 @dataclass
@@ -97,6 +106,12 @@ def _check_config(config: DataConfig, seq_len: int) -> None:
         raise ValueError(f"val_fraction: {config.val_fraction} is not in (0, 1)")
     if not 0.0 < config.mlm_probability < 1.0:
         raise ValueError(f"mlm_probability: {config.mlm_probability} is not in (0, 1)")
+    predictions = config.max_predictions_per_seq
+    bad = isinstance(predictions, bool) or not isinstance(predictions, int) or predictions <= 0
+    if predictions is not None and bad:
+        raise ValueError(f"max_predictions_per_seq: {predictions!r} is not a positive integer (or None)")
+    if predictions is not None and predictions > seq_len:
+        raise ValueError(f"max_predictions_per_seq: {predictions} exceeds seq_len {seq_len}")
     if config.max_bytes is not None and config.max_bytes < 1:
         raise ValueError(f"max_bytes: {config.max_bytes} is not a positive number of bytes (or None)")
 
@@ -202,7 +217,8 @@ def build_data(config: DataConfig, seq_len: int, seed: int = 0, mlm: bool = Fals
         config: the source and tokenizer.
         seq_len: tokens per sequence.
         seed: the shuffling and masking seed.
-        mlm: mask for BERT's masked LM (``config.mlm_probability``) instead of causal LM.
+        mlm: mask for BERT's masked LM (``config.mlm_probability``, and
+            ``config.max_predictions_per_seq``) instead of causal LM.
 
     Returns:
         The tokenizer and the train and validation streams.
@@ -210,8 +226,9 @@ def build_data(config: DataConfig, seq_len: int, seed: int = 0, mlm: bool = Fals
     Raises:
         FileNotFoundError: a source path that does not exist, or shards without meta.json.
         ValueError: a bad option (tokenizer name, vocab_size below the BPE's bytes and
-            specials, val_fraction, seq_len), an empty corpus, a split shorter than one
-            sequence, shards that do not match their dtype or vocabulary, MLM without a mask id.
+            specials, val_fraction, seq_len, max_predictions_per_seq), an empty corpus, a
+            split shorter than one sequence, shards that do not match their dtype or
+            vocabulary, MLM without a mask id.
     """
     _check_config(config, seq_len)
     if config.source != PYTHON_STDLIB and not Path(config.source).expanduser().exists():
@@ -230,10 +247,11 @@ def build_data(config: DataConfig, seq_len: int, seed: int = 0, mlm: bool = Fals
         tokenizer, tokens = _load_entry(config, cache_path)
         train, val = _split([tokens], config.val_fraction)
     probability = config.mlm_probability if mlm else None
+    predictions = config.max_predictions_per_seq if mlm else None
     return Data(
         tokenizer=tokenizer,
-        train=TokenStream(train, seq_len, seed, "train", tokenizer, probability),
-        val=TokenStream(val, seq_len, seed, "val", tokenizer, probability),
+        train=TokenStream(train, seq_len, seed, "train", tokenizer, probability, predictions),
+        val=TokenStream(val, seq_len, seed, "val", tokenizer, probability, predictions),
         seq_len=seq_len,
         mlm=mlm,
         cache_path=cache_path,

@@ -19,7 +19,7 @@ import torch
 
 from lstrain.data.tokenizer import Tokenizer
 
-__all__ = ["IGNORE_INDEX", "TokenStream", "mask_tokens"]
+__all__ = ["IGNORE_INDEX", "TokenStream", "mask_tokens", "mask_tokens_fixed"]
 
 IGNORE_INDEX = -100  # labels that the loss skips (torch's and HF's ignore_index)
 _SPLIT_SALT = {"train": 0, "val": 1}
@@ -62,6 +62,52 @@ def mask_tokens(
     return inputs, labels
 
 
+def mask_tokens_fixed(
+    ids: np.ndarray,
+    rng: np.random.Generator,
+    probability: float,
+    max_predictions: int,
+    mask_id: int,
+    special_ids: np.ndarray,
+    normal_ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Original BERT pretraining's masking (``create_masked_lm_predictions``) of one row.
+
+    Exactly ``min(max_predictions, max(1, round(probability * candidates)))`` of the row's
+    non-special tokens are selected, uniformly without replacement; a selected token becomes
+    the mask id (80%), a random non-special id (10%) or stays itself (10%).
+
+    Args:
+        ids: int64 ids of one row.
+        rng: the random stream.
+        probability: the share of candidates selected.
+        max_predictions: the most positions selected, and the size of the fixed outputs.
+        mask_id: the mask id.
+        special_ids: ids never selected (eos, pad, mask).
+        normal_ids: the ids a random replacement is drawn from.
+
+    Returns:
+        (input_ids, labels, masked_positions, masked_labels): the first two shaped like
+        ``ids`` (labels the original id where selected, ``IGNORE_INDEX`` elsewhere); the
+        last two ``[max_predictions]``: the selected positions in increasing order and their
+        original ids, padded with position 0 and label ``IGNORE_INDEX``.
+    """
+    candidates = np.flatnonzero(~np.isin(ids, special_ids))
+    count = min(max_predictions, max(1, round(probability * len(candidates)))) if len(candidates) else 0
+    chosen = np.sort(rng.choice(candidates, size=count, replace=False))
+    draw = rng.random(count)
+    inputs = ids.copy()
+    inputs[chosen[draw < 0.8]] = mask_id
+    randomized = chosen[(draw >= 0.8) & (draw < 0.9)]
+    inputs[randomized] = rng.choice(normal_ids, size=len(randomized))
+    labels = np.full_like(ids, IGNORE_INDEX)
+    labels[chosen] = ids[chosen]
+    positions = np.zeros(max_predictions, dtype=np.int64)
+    masked_labels = np.full(max_predictions, IGNORE_INDEX, dtype=np.int64)
+    positions[:count], masked_labels[:count] = chosen, ids[chosen]
+    return inputs, labels, positions, masked_labels
+
+
 class TokenStream:
     """One split's batches (see the module docstring for their order and layout).
 
@@ -72,6 +118,8 @@ class TokenStream:
         split: ``"train"`` or ``"val"``: each split draws its own order.
         tokenizer: for the pad, mask and special ids.
         mlm_probability: selection probability of MLM masking, or None for causal LM.
+        max_predictions_per_seq: MLM with a fixed number of masked positions per sequence
+            (:func:`mask_tokens_fixed`), or None for HF's per-token draws (:func:`mask_tokens`).
 
     Raises:
         ValueError: no whole sequence in the split, or MLM without a mask id.
@@ -85,7 +133,9 @@ class TokenStream:
         split: str,
         tokenizer: Tokenizer,
         mlm_probability: float | None = None,
+        max_predictions_per_seq: int | None = None,
     ):
+        self.max_predictions_per_seq = max_predictions_per_seq if mlm_probability is not None else None
         self.shards = [s for s in shards if len(s) >= seq_len]
         self.seq_len, self.seed, self.split = seq_len, seed, split
         self.tokenizer, self.mlm_probability = tokenizer, mlm_probability
@@ -134,7 +184,9 @@ class TokenStream:
         Returns:
             int64 CPU tensors of shape ``[batch_size, seq_len]``: ``input_ids``, ``labels``
             (causal LM: the ids themselves, the model shifts them; MLM: the original ids at
-            masked positions, -100 elsewhere) and ``attention_mask`` (0 at pad ids).
+            masked positions, -100 elsewhere) and ``attention_mask`` (0 at pad ids); with
+            ``max_predictions_per_seq`` P also ``masked_positions`` and ``masked_labels``
+            of shape ``[batch_size, P]`` (see :func:`mask_tokens_fixed`).
 
         Raises:
             ValueError: a negative step, a batch_size below 1, or a rank outside the world.
@@ -151,24 +203,30 @@ class TokenStream:
             [self.sequence(int(self._permutation(g // self.sequences)[g % self.sequences])) for g in samples]
         )
         pad_id = self.tokenizer.pad_id
+        fixed = {}
         attention_mask = np.ones_like(ids) if pad_id is None else (ids != pad_id).astype(np.int64)
         if self.mlm_probability is None:
             inputs, labels = ids, np.where(attention_mask == 1, ids, IGNORE_INDEX)
         else:
-            rows = [
-                mask_tokens(
-                    row,
-                    np.random.default_rng([self.seed, _SPLIT_SALT[self.split], _MASK_STREAM, g]),
-                    self.mlm_probability,
-                    self.tokenizer.mask_id,
-                    self._special,
-                    self._normal,
-                )
-                for g, row in zip(samples, ids, strict=True)
-            ]
+            rngs = [np.random.default_rng([self.seed, _SPLIT_SALT[self.split], _MASK_STREAM, g]) for g in samples]
+            args = (self.tokenizer.mask_id, self._special, self._normal)
+            if self.max_predictions_per_seq is None:
+                rows = [mask_tokens(row, rng, self.mlm_probability, *args) for rng, row in zip(rngs, ids, strict=True)]
+            else:
+                predictions = self.max_predictions_per_seq
+                rows = [
+                    mask_tokens_fixed(row, rng, self.mlm_probability, predictions, *args)
+                    for rng, row in zip(rngs, ids, strict=True)
+                ]
             inputs, labels = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+            if self.max_predictions_per_seq is not None:
+                fixed = {
+                    "masked_positions": torch.from_numpy(np.stack([r[2] for r in rows])),
+                    "masked_labels": torch.from_numpy(np.stack([r[3] for r in rows])),
+                }
         return {
             "input_ids": torch.from_numpy(inputs),
             "labels": torch.from_numpy(labels),
             "attention_mask": torch.from_numpy(attention_mask),
+            **fixed,
         }

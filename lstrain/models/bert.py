@@ -297,6 +297,10 @@ class BertForMaskedLM(torch.nn.Module):
     85% of the head's work. The gather reads how many rows there are on the host (one
     sync per step); under torch.compile, where that count would be a data-dependent shape
     linear_cross_entropy cannot trace, every row is scored with -100 ignored instead.
+    That sync cannot be captured in a CUDA graph: pass ``masked_positions`` (a fixed
+    number per sequence, original BERT's ``max_predictions_per_seq``, with their labels)
+    and the head's rows are gathered with a static shape instead, in both models (the
+    unfused one then builds the logits of those rows only).
     The embeddings' dropout is ``F.dropout`` in both (lstrain has no dropout-only op, and
     it must follow the LayerNorm). Unfused: ``nn.Embedding`` x 3, ``nn.LayerNorm``, the
     plain-torch layers, the full logits and ``F.cross_entropy`` on them with -100 ignored,
@@ -367,6 +371,7 @@ class BertForMaskedLM(torch.nn.Module):
         token_type_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         *,
+        masked_positions: torch.Tensor | None = None,
         check_ids: bool | None = None,
     ) -> BertOutput:
         """MLM logits, or with ``labels`` the masked-language-modelling loss.
@@ -380,24 +385,36 @@ class BertForMaskedLM(torch.nn.Module):
                 default all 0.
             labels: optional ``[batch, seq]`` ids, HF's semantics: position t predicts
                 ``labels[:, t]`` (no shift), -100 ignored, the loss the mean over the rest
-                (NaN when every label is -100, as in HF).
+                (NaN when every label is -100, as in HF). With ``masked_positions``,
+                ``[batch, predictions]``: the label of each gathered position (-100 for
+                padding slots).
+            masked_positions: optional ``[batch, predictions]`` int64/int32 positions in
+                [0, seq) whose rows the MLM head scores (original BERT's
+                ``masked_lm_positions``, padded to a fixed count; a padding slot's label is
+                -100, its position any valid one, e.g. 0). The rows are gathered with a
+                static shape (no host sync: capturable in a CUDA graph, traceable by
+                torch.compile), and the loss is the mean over the labels that are not -100,
+                the same loss as ``labels`` over the whole sequence. Needs labels.
             check_ids: check that input_ids, token_type_ids and labels lie in their tables
-                (labels may also be -100). The check reads the ids on the host, so it
+                (labels may also be -100) and masked_positions in [0, seq). The check reads the ids on the host, so it
                 defaults to on for CPU tensors only and never runs under torch.compile; on
                 CUDA pass True to pay for the sync. Unchecked bad ids on CUDA give NaN
                 rows (fused) or a device-side assert (unfused).
 
         Returns:
             A :class:`BertOutput`: ``loss`` with labels; ``logits`` without them (and with
-            them in the unfused model).
+            them in the unfused model: ``[batch, predictions, vocab_size]`` with
+            masked_positions).
 
         Raises:
             ValueError: input_ids not a 2-D integer tensor or longer than
                 max_position_embeddings, attention_mask, token_type_ids or labels not
-                shaped like input_ids or of the wrong dtype, or (when checked) an id
-                outside its table; the message names the argument.
+                shaped like input_ids (labels: like masked_positions when given) or of the
+                wrong dtype, masked_positions not 2-D integer with input_ids' batch or
+                without labels, or (when checked) an id or a position outside its range;
+                the message names the argument.
         """
-        self._check_inputs(input_ids, attention_mask, token_type_ids, labels, check_ids)
+        self._check_inputs(input_ids, attention_mask, token_type_ids, labels, check_ids, masked_positions)
         key_padding_mask = None if attention_mask is None else attention_mask == 0
         x = self._embed(input_ids, token_type_ids)
         for layer in self.bert["encoder"]["layer"]:
@@ -406,6 +423,8 @@ class BertForMaskedLM(torch.nn.Module):
         decoder = self.bert["embeddings"]["word_embeddings"].weight
         if labels is None:
             return BertOutput(logits=F.linear(head(x), decoder, head.bias))
+        if masked_positions is not None:
+            return self._masked_loss(x, masked_positions, labels)
         if self.config.fused:
             target, hidden = labels.reshape(-1), x.reshape(-1, x.shape[-1])
             if not torch.compiler.is_compiling():  # see the class docstring
@@ -420,6 +439,26 @@ class BertForMaskedLM(torch.nn.Module):
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
         loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX)
         return BertOutput(loss=loss, logits=logits)
+
+    def _masked_loss(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> BertOutput:
+        """The MLM loss over the rows at ``positions`` (``[batch, predictions]``), gathered
+        with a static shape: ``index_select`` of the flattened rows, no nonzero."""
+        batch, seq, dim = x.shape
+        offsets = torch.arange(batch, device=positions.device, dtype=torch.int64)[:, None] * seq
+        rows = (positions.to(torch.int64) + offsets).reshape(-1)
+        hidden = x.reshape(batch * seq, dim).index_select(0, rows)
+        target = labels.reshape(-1)
+        head = self.cls["predictions"]
+        decoder = self.bert["embeddings"]["word_embeddings"].weight
+        if self.config.fused:
+            loss = linear_cross_entropy(
+                head(hidden), decoder, target, head.bias, ignore_index=IGNORE_INDEX, check_targets=False
+            )
+            return BertOutput(loss=loss)
+        logits = F.linear(head(hidden), decoder, head.bias)
+        flat = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+        return BertOutput(loss=loss, logits=logits.reshape(batch, -1, logits.shape[-1]))
 
     def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         tables = self.bert["embeddings"]
@@ -448,7 +487,9 @@ class BertForMaskedLM(torch.nn.Module):
             x = x + tables["position_embeddings"](positions)
         return F.dropout(tables["LayerNorm"](x), self.config.hidden_dropout_prob, self.training)
 
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, labels, check_ids: bool | None) -> None:
+    def _check_inputs(
+        self, input_ids, attention_mask, token_type_ids, labels, check_ids: bool | None, masked_positions=None
+    ) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"BertForMaskedLM: input_ids must be [batch, seq] int64 or int32, got shape "
@@ -459,7 +500,28 @@ class BertForMaskedLM(torch.nn.Module):
             raise ValueError(
                 f"BertForMaskedLM: input_ids has {seq} positions; max_position_embeddings allows 1 to {most}"
             )
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("labels", labels)):
+        if masked_positions is not None:
+            if masked_positions.dim() != 2 or masked_positions.dtype not in (torch.int64, torch.int32):
+                raise ValueError(
+                    f"BertForMaskedLM: masked_positions must be [batch, predictions] int64 or int32, got shape "
+                    f"{tuple(masked_positions.shape)} {masked_positions.dtype}"
+                )
+            if masked_positions.shape[0] != input_ids.shape[0]:
+                raise ValueError(
+                    f"BertForMaskedLM: masked_positions has batch {masked_positions.shape[0]}, input_ids "
+                    f"{input_ids.shape[0]}"
+                )
+            if labels is None:
+                raise ValueError("BertForMaskedLM: masked_positions needs labels (one per position, -100 for padding)")
+            if tuple(labels.shape) != tuple(masked_positions.shape):
+                raise ValueError(
+                    f"BertForMaskedLM: labels must be shaped like masked_positions {tuple(masked_positions.shape)}, "
+                    f"got {tuple(labels.shape)}"
+                )
+        sequence_shaped = [("attention_mask", attention_mask), ("token_type_ids", token_type_ids)]
+        if masked_positions is None:
+            sequence_shaped.append(("labels", labels))
+        for name, t in sequence_shaped:
             if t is not None and tuple(t.shape) != tuple(input_ids.shape):
                 raise ValueError(
                     f"BertForMaskedLM: {name} must be shaped like input_ids {tuple(input_ids.shape)}, "
@@ -486,6 +548,13 @@ class BertForMaskedLM(torch.nn.Module):
             if bad.any():
                 index = tuple(int(i) for i in bad.nonzero()[0])
                 raise ValueError(f"BertForMaskedLM: {name} {int(ids[index])} at {index} is outside [0, {rows})")
+        if masked_positions is not None:
+            bad = (masked_positions < 0) | (masked_positions >= seq)
+            if bad.any():
+                index = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(
+                    f"BertForMaskedLM: masked_positions {int(masked_positions[index])} at {index} is outside [0, {seq})"
+                )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device=None, dtype=None, **overrides) -> BertForMaskedLM:

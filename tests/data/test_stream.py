@@ -154,3 +154,43 @@ def test_mlm_needs_a_mask_id():
 def test_bad_batch_arguments_are_errors(data, args, match):
     with pytest.raises(ValueError, match=match):
         data.train.batch(*args)
+
+
+def test_fixed_masking_selects_exactly_round_p_candidates_per_row(stdlib_config):
+    """Original BERT's masking: a fixed count per row, the positions and their labels at a
+    fixed size (padded with position 0 and label -100), 80/10/10, deterministic."""
+    config = dataclasses.replace(stdlib_config, max_predictions_per_seq=12)
+    plain = build_data(stdlib_config, seq_len=64, seed=4).train.batch(2, 128)["input_ids"]
+    data = build_data(config, seq_len=64, seed=4, mlm=True)
+    batch, tokenizer = data.train.batch(2, 128), data.tokenizer
+    positions, masked = batch["masked_positions"], batch["masked_labels"]
+    assert positions.shape == masked.shape == (128, 12) and positions.dtype == masked.dtype == torch.int64
+    special = torch.isin(plain, torch.tensor(tokenizer.special_ids))
+    selected = batch["labels"] != IGNORE_INDEX
+    expected = torch.clamp(torch.round(0.15 * (~special).sum(1).double()).long().clamp(min=1), max=12)
+    assert torch.equal(selected.sum(1), expected)  # 10 of 64 (0.15 x 64 = 9.6) where no token is special
+    assert not (selected & special).any()
+    for row in range(128):
+        count = int(expected[row])
+        where = selected[row].nonzero().squeeze(1)
+        assert torch.equal(positions[row, :count], where)  # in increasing order
+        assert torch.equal(masked[row, :count], plain[row, where])
+        assert (positions[row, count:] == 0).all() and (masked[row, count:] == IGNORE_INDEX).all()
+    inputs = batch["input_ids"]
+    assert torch.equal(inputs[~selected], plain[~selected])
+    n = selected.sum().item()
+    assert (inputs[selected] == tokenizer.mask_id).sum().item() / n == pytest.approx(0.8, abs=0.04)
+    assert (inputs[selected] == plain[selected]).sum().item() / n == pytest.approx(0.1, abs=0.03)
+    assert _equal(data.train.batch(2, 128), batch)
+    parts = [data.train.batch(2, 64, rank=r, world_size=2) for r in range(2)]
+    assert _equal(batch, {k: torch.cat([p[k] for p in parts]) for k in batch})
+
+
+def test_fixed_masking_caps_at_max_predictions_and_is_mlm_only(stdlib_config):
+    config = dataclasses.replace(stdlib_config, max_predictions_per_seq=3)
+    batch = build_data(config, seq_len=64, mlm=True).train.batch(0, 8)
+    assert ((batch["labels"] != IGNORE_INDEX).sum(1) == 3).all() and (batch["masked_labels"] != IGNORE_INDEX).all()
+    assert "masked_positions" not in build_data(config, seq_len=64).train.batch(0, 2)  # causal LM ignores it
+    for bad, message in [(0, "is not a positive integer"), (65, "max_predictions_per_seq: 65 exceeds seq_len 64")]:
+        with pytest.raises(ValueError, match=message):
+            build_data(dataclasses.replace(stdlib_config, max_predictions_per_seq=bad), seq_len=64, mlm=True)

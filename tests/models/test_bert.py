@@ -351,3 +351,103 @@ def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu():
     for start in range(0, 200, 20):
         a, b = (sum(curve[start : start + 20]) / 20 for curve in (ours, theirs))
         assert abs(a - b) <= 0.05 * b + 0.05, f"steps {start}-{start + 19}: fused {a:.4f} vs unfused {b:.4f}"
+
+
+def _fixed_positions(labels, predictions=6):
+    """``labels``' labelled positions as original BERT's fixed-size masked_positions and
+    their labels, padded with position 0 and label -100."""
+    positions = torch.zeros(labels.shape[0], predictions, dtype=torch.long, device=labels.device)
+    masked = torch.full_like(positions, -100)
+    for row in range(labels.shape[0]):
+        where = (labels[row] != -100).nonzero().squeeze(1)[:predictions]
+        positions[row, : len(where)], masked[row, : len(where)] = where, labels[row, where]
+    return positions, masked
+
+
+def test_masked_positions_give_the_labels_loss_and_gradients():
+    # the static-shape gather (capturable) against the labels path, in both twins
+    fused, plain = twins()
+    ids, labels, mask, types = batch(TINY["vocab_size"], types=TINY["type_vocab_size"])
+    positions, masked = _fixed_positions(labels)
+    assert (masked == -100).any()  # padding slots take part
+    results = []
+    for model, kwargs in (
+        (plain, {"labels": labels}),
+        (fused, {"labels": masked, "masked_positions": positions}),
+        (plain, {"labels": masked, "masked_positions": positions}),
+    ):
+        model.zero_grad()
+        loss = model(ids, mask, types, **kwargs).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (expected, expected_grads), *others = results
+    for loss, grads in others:
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(grads, expected_grads)
+    logits = plain(ids, mask, types, labels=masked, masked_positions=positions).logits
+    assert logits.shape == (*positions.shape, TINY["vocab_size"])  # the gathered rows' logits only
+    assert fused(ids, labels=masked, masked_positions=positions).logits is None
+
+
+def test_bad_masked_positions_are_named():
+    model, _ = twins()
+    ids = torch.randint(1, 37, (2, 8), device=DEVICE)
+    positions = torch.tensor([[1, 2, 0], [3, 4, 0]], device=DEVICE)
+    labels = torch.tensor([[5, 6, -100], [7, 8, -100]], device=DEVICE)
+    cases = [
+        ({"masked_positions": positions[0], "labels": labels}, r"masked_positions must be \[batch, predictions\]"),
+        ({"masked_positions": positions.float(), "labels": labels}, "masked_positions must be"),
+        ({"masked_positions": positions[:1], "labels": labels[:1]}, "masked_positions has batch 1, input_ids 2"),
+        ({"masked_positions": positions}, "masked_positions needs labels"),
+        ({"masked_positions": positions, "labels": labels[:, :2]}, "labels must be shaped like masked_positions"),
+        ({"masked_positions": positions + 6, "labels": labels}, r"masked_positions 8 at \(0, 1\) is outside \[0, 8\)"),
+        ({"masked_positions": positions, "labels": labels + 40}, r"labels 45 at \(0, 0\) is outside \[0, 37\)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model(ids, **kwargs, check_ids=True)
+
+
+@pytest.mark.gpu
+def test_masked_positions_capture_in_a_cuda_graph_and_labels_alone_do_not():
+    """The fixed-size path is one captured training step, replayed with the eager step's
+    losses; the labels-only path's nonzero is refused as a host sync."""
+    from lstrain.optim import FusedAdamW
+    from lstrain.train import CapturedStep, CaptureError
+
+    config = {**LARGE_ISH, "num_hidden_layers": 2, "max_position_embeddings": 128}
+    generator = torch.Generator("cuda").manual_seed(3)
+    steps = []
+    for _ in range(4):
+        ids = torch.randint(3, config["vocab_size"], (4, 128), device="cuda", generator=generator)
+        positions = torch.sort(torch.randperm(128, device="cuda", generator=generator)[:20]).values.repeat(4, 1)
+        masked = ids.gather(1, positions)
+        masked[:, -2:] = -100  # padding slots
+        steps.append((ids, positions, masked))
+
+    def setup(fixed):
+        fused, _ = twins(device="cuda", dtype=torch.bfloat16, **config)
+        opt = FusedAdamW(fused.parameters(), lr=1e-3, max_grad_norm=1.0)
+
+        def step(ids, positions, masked):
+            opt.zero_grad()
+            if fixed:
+                loss = fused(ids, labels=masked, masked_positions=positions).loss
+            else:
+                labels = torch.full_like(ids, -100).scatter(1, positions, masked)
+                loss = fused(ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return fused, opt, step
+
+    model, opt, eager = setup(True)
+    expected = torch.stack([eager(*s) for s in steps])
+    model, opt, step = setup(True)
+    captured = CapturedStep(step, restore=(model, opt))
+    got = torch.stack([captured(*s) for s in steps])
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    model, opt, step = setup(False)
+    with pytest.raises(CaptureError, match="synchronises with the host"):
+        CapturedStep(step, restore=(model, opt))(*steps[0])
