@@ -2,7 +2,8 @@
 
 ``load_recipe("recipes/gpt2-tiny.toml", ["training.steps=100"])`` returns a
 :class:`lstrain.train.RunConfig`: ``[model]`` into :class:`lstrain.train.ModelConfig` (the
-model's name, a preset, and ``GPT2Config`` fields), ``[data]`` into
+model's family name, a preset, and the family's config fields: ``GPT2Config``'s for
+``name = "gpt2"``, ``BertConfig``'s for ``"bert"``), ``[data]`` into
 ``lstrain.data.DataConfig``, and ``[training]``, ``[optimizer]``, ``[lr_scheduler]``,
 ``[checkpoint]``, ``[metrics]``, ``[eval]``, ``[sample]`` into the training loop's configs.
 Every key is checked against its dataclass's fields: an unknown key is an error that names
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from lstrain.data import DataConfig
-from lstrain.models import GPT2Config
 from lstrain.train import (
     CheckpointConfig,
     EvalConfig,
@@ -34,6 +34,7 @@ from lstrain.train import (
     SampleConfig,
     TrainingConfig,
 )
+from lstrain.train.families import FAMILIES
 
 __all__ = ["RecipeError", "load_recipe", "parse_recipe"]
 
@@ -160,16 +161,20 @@ def _fields(cls: type, section: str, table: dict, skip: tuple[str, ...] = ()) ->
 
 
 def _model(table: dict) -> ModelConfig:
-    own = {k: v for k, v in table.items() if k in _MODEL_OWN_KEYS}
+    """``[model]``: ``name`` picks the family (its Config dataclass's fields are the other keys)."""
+    own = _fields(ModelConfig, "model", {k: v for k, v in table.items() if k in _MODEL_OWN_KEYS})
     rest = {k: v for k, v in table.items() if k not in _MODEL_OWN_KEYS}
     if "vocab_size" in rest:
         raise RecipeError("[model]: vocab_size comes from the data's tokenizer; set [data] vocab_size instead")
-    allowed = [*_MODEL_OWN_KEYS, *(f.name for f in dataclasses.fields(GPT2Config) if f.name != "vocab_size")]
+    name = own.get("name", "gpt2")
+    if name not in FAMILIES:
+        raise RecipeError(f"[model]: name must be one of {', '.join(FAMILIES)}; got {name!r}")
+    config_cls = FAMILIES[name].config_cls
+    allowed = [*_MODEL_OWN_KEYS, *(f.name for f in dataclasses.fields(config_cls) if f.name != "vocab_size")]
     for key in rest:
         if key not in allowed:
             raise _unknown("model", key, allowed)
-    own = _fields(ModelConfig, "model", own)
-    fields = _fields(GPT2Config, "model", rest, skip=("vocab_size",))
+    fields = _fields(config_cls, "model", rest, skip=("vocab_size",))
     config = ModelConfig(**own, fields=fields)
     config.build(vocab_size=256)  # the model's own range checks, now rather than after the data is read
     return config

@@ -12,8 +12,43 @@ RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_shipped_recipe_parses(path):
     run = load_recipe(path)
-    assert run.model.name == "gpt2"
+    assert run.model.name == path.stem.split("-")[0]  # gpt2-*, bert-*
     assert run.training.steps > 0
+    config = run.model.build(run.data.vocab_size)
+    assert run.training.seq_len <= run.model.family.positions(config)
+    if run.model.name == "bert":  # the captured step needs fixed masked positions
+        assert run.data.max_predictions_per_seq >= round(run.data.mlm_probability * run.training.seq_len)
+
+
+def test_the_bert_recipes_are_issue_30s_shapes():
+    large = load_recipe(RECIPES[0].with_name("bert-large.toml"))
+    config = large.model.build(large.data.vocab_size, pad_id=1)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (24, 1024, 16)
+    assert (large.training.seq_len, large.training.local_batch_size) == (512, 16)
+    assert config.pad_token_id == 1  # the tokenizer's, not BertConfig's default 0
+    base = load_recipe(RECIPES[0].with_name("bert-base.toml")).model.build(30522)
+    assert (base.num_hidden_layers, base.hidden_size) == (12, 768)
+
+
+def test_a_bert_model_section_takes_bert_config_fields():
+    run = parse_recipe({"model": {"name": "bert", "preset": "large", "num_hidden_layers": 2}})
+    assert run.model.family.label == "BERT" and run.model.fields == {"num_hidden_layers": 2}
+    config = run.model.build(300, pad_id=5)
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.pad_token_id) == (2, 1024, 300, 5)
+    assert parse_recipe({"model": {"name": "bert", "pad_token_id": 0}}).model.build(300, pad_id=5).pad_token_id == 0
+    with pytest.raises(RecipeError, match=r"\[model\]: unknown key 'n_layer'.*; allowed: name, preset, hidden_size"):
+        parse_recipe({"model": {"name": "bert", "n_layer": 2}})
+    with pytest.raises(RecipeError, match="preset must be one of base, large; got 'medium'"):
+        parse_recipe({"model": {"name": "bert", "preset": "medium"}})
+    with pytest.raises(RecipeError, match="name must be one of gpt2, bert; got 'llama'"):
+        parse_recipe({"model": {"name": "llama"}})
+    with pytest.raises(RecipeError, match="BertConfig: hidden_size"):
+        parse_recipe({"model": {"name": "bert", "hidden_size": 30}})
+    run = parse_recipe(
+        {"model": {"name": "gpt2"}}, ["model.name=bert", "model.hidden_size=96", "data.max_predictions_per_seq=20"]
+    )
+    assert run.model.name == "bert" and run.model.fields == {"hidden_size": 96}
+    assert run.data.max_predictions_per_seq == 20
 
 
 def test_the_sections_reach_their_dataclasses():

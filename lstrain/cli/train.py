@@ -1,6 +1,6 @@
 """``lstrain train``: train a model from a TOML recipe (``recipes/gpt2-tiny.toml`` by default).
 
-``lstrain train [RECIPE] [--set section.key=value ...] [--resume [DIR]]``; under
+``lstrain train [RECIPE] [--set section.key=value ...] [--resume [DIR] [--allow-batch-change]]``; under
 ``torchrun --nproc_per_node N -m lstrain train ...`` each process is one data-parallel rank.
 On a machine without a GPU the model's ops run their plain-PyTorch references and
 ``torch.optim.AdamW`` updates the flat parameter buffers (fast enough for the tiny recipe);
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     Args:
         args: ``recipe``, ``set`` (overrides), ``resume`` (None, True or a path),
-            ``no_progress``.
+            ``allow_batch_change``, ``no_progress``.
 
     Returns:
         0 when the run finished; 2 for a bad recipe, override or input (the message on
@@ -55,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         recipe = load_recipe(resolve_recipe(args.recipe), args.set or [])
-        train(recipe, resume=args.resume, progress=not args.no_progress)
+        train(
+            recipe,
+            resume=args.resume,
+            progress=not args.no_progress,
+            allow_batch_change=getattr(args, "allow_batch_change", False),
+        )
     except (RecipeError, ValueError, FileNotFoundError) as error:
         print(f"lstrain train: {error}", file=sys.stderr)
         return 2
@@ -77,6 +82,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="override a recipe value, e.g. --set training.steps=100 (repeatable)")  # fmt: skip
     parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                         help="continue from the latest checkpoint of [checkpoint] folder, or from DIR")  # fmt: skip
+    parser.add_argument("--allow-batch-change", action="store_true",
+                        help="with --resume: continue a checkpoint trained with another batch or seq_len "
+                        "(the data then continues at step x the new batch, not where it stopped)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     parser.set_defaults(run=run)
     return parser

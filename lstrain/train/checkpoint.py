@@ -1,9 +1,11 @@
 """Checkpoints: the model as Hugging Face files, the rest of the trainer's state beside it.
 
 A checkpoint is a directory ``<folder>/step-00000100/`` holding ``config.json`` and
-``model.safetensors`` (``GPT2.save_pretrained``: ``GPT2.from_pretrained`` and HF's
-``GPT2LMHeadModel.from_pretrained`` load it) and ``trainer.pt``: the optimizer's, the loss
-scaler's and the schedule's state, the data position, the RNG states and the recipe. It is
+``model.safetensors`` (the model's ``save_pretrained``: ``GPT2.from_pretrained`` and HF's
+``GPT2LMHeadModel.from_pretrained`` load a GPT-2's, ``BertForMaskedLM.from_pretrained`` and
+HF's ``BertForMaskedLM.from_pretrained`` a BERT's) and ``trainer.pt``: the optimizer's, the
+loss scaler's and the schedule's state, the data position (the step, and the sequences per
+step and seq_len it counts in), the RNG states and the recipe. It is
 written into a temporary directory next to it, every file and the directory fsynced, then
 renamed into place: a crash or an error mid-write leaves the earlier checkpoints as they
 were and no ``step-*`` directory half written.
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "data_mismatch",
     "find_checkpoint",
     "list_checkpoints",
     "load_trainer_state",
@@ -171,3 +174,33 @@ def model_mismatch(checkpoint: Path, hf_config: dict) -> list[str]:
         for key in keys
         if saved.get(key) != hf_config.get(key)
     ]
+
+
+def data_mismatch(state: dict[str, Any], position: dict[str, int]) -> str | None:
+    """How a checkpoint's data position differs from the run's, or None when it carries over.
+
+    Args:
+        state: the checkpoint's trainer state (:func:`load_trainer_state`).
+        position: the run's ``{"sequences_per_step": ..., "seq_len": ...}``.
+
+    Returns:
+        ``"sequences_per_step 32 and seq_len 128 (this run: 16 and 128; ...)"`` when
+        either differs, else None. A checkpoint written before the trainer state held ``data``
+        is read from its recipe and world size.
+    """
+    saved = state.get("data")
+    if saved is None:  # older trainer states: the recipe they ran
+        from lstrain.train.config import TrainingConfig
+
+        training = TrainingConfig(**state["run"]["training"])
+        world = state.get("world_size", 1)
+        sequences = training.local_batch_size * world * training.accumulation(world)
+        saved = {"sequences_per_step": sequences, "seq_len": training.seq_len}
+    keys = ("sequences_per_step", "seq_len")
+    if all(saved[key] == position[key] for key in keys):
+        return None
+    return (
+        f"sequences_per_step {saved['sequences_per_step']} and seq_len {saved['seq_len']} (this run: "
+        f"{position['sequences_per_step']} and {position['seq_len']}; sequences_per_step = local_batch_size x "
+        "ranks x gradient_accumulation_steps)"
+    )

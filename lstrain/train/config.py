@@ -12,9 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lstrain.train.families import FAMILIES, Family
+
 if TYPE_CHECKING:
     from lstrain.data import DataConfig
-    from lstrain.models import GPT2Config
 
 __all__ = [
     "CheckpointConfig",
@@ -28,8 +29,6 @@ __all__ = [
     "TrainingConfig",
 ]
 
-MODELS = ("gpt2",)
-PRESETS = ("small", "medium", "large")
 PRECISIONS = ("bf16", "fp16", "fp32")
 DECAY_TYPES = ("cosine", "linear", "constant", "warmup_stable_decay")
 
@@ -60,11 +59,14 @@ class ModelConfig:
     """``[model]``: which model, and its config's fields.
 
     Args:
-        name: the model family; ``"gpt2"`` (BERT comes later).
-        preset: ``"small"``, ``"medium"`` or ``"large"`` (``GPT2Config``'s presets); None
-            gives ``GPT2Config``'s defaults (GPT-2 small's shape).
-        fields: ``GPT2Config`` fields set on top of the preset, e.g. ``{"n_layer": 4}``.
-            ``vocab_size`` is not one of them: it comes from the data's tokenizer.
+        name: the model family, a key of :data:`lstrain.train.families.FAMILIES`:
+            ``"gpt2"`` (``GPT2Config``) or ``"bert"`` (``BertConfig``, masked LM).
+        preset: one of the family's presets (GPT-2: ``"small"``, ``"medium"``, ``"large"``;
+            BERT: ``"base"``, ``"large"``); None gives the config's defaults (GPT-2 small's,
+            BERT-base's shape).
+        fields: config fields set on top of the preset, e.g. ``{"n_layer": 4}``.
+            ``vocab_size`` is not one of them: it comes from the data's tokenizer (and
+            BERT's ``pad_token_id`` too, unless set here).
 
     Raises:
         ValueError: an unknown name or preset, or ``vocab_size`` among the fields.
@@ -75,28 +77,33 @@ class ModelConfig:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _choice("[model]", "name", self.name, MODELS)
+        _choice("[model]", "name", self.name, tuple(FAMILIES))
         if self.preset is not None:
-            _choice("[model]", "preset", self.preset, PRESETS)
+            _choice("[model]", "preset", self.preset, self.family.presets)
         if "vocab_size" in self.fields:
             raise ValueError("[model]: vocab_size comes from the data's tokenizer; set the vocabulary in [data]")
 
-    def build(self, vocab_size: int) -> GPT2Config:
+    @property
+    def family(self) -> Family:
+        """The family's entry in the table."""
+        return FAMILIES[self.name]
+
+    def build(self, vocab_size: int, pad_id: int | None = None):
         """The model's config for a tokenizer of ``vocab_size`` tokens.
 
         Args:
             vocab_size: the tokenizer's vocabulary size.
+            pad_id: the tokenizer's padding id (BERT's ``pad_token_id``), or None.
 
         Returns:
-            The ``GPT2Config``.
+            The family's config (``GPT2Config``, ``BertConfig``).
 
         Raises:
-            ValueError: a field out of range (``GPT2Config``'s own message).
+            ValueError: a field out of range (the config's own message).
         """
-        from lstrain.models import GPT2Config
-
-        make = getattr(GPT2Config, self.preset) if self.preset else GPT2Config
-        return make(**self.fields, vocab_size=vocab_size)
+        cls = self.family.config_cls
+        make = getattr(cls, self.preset) if self.preset else cls
+        return make(**{**self.family.tokenizer_fields(vocab_size, pad_id), **self.fields, "vocab_size": vocab_size})
 
 
 @dataclass

@@ -1,11 +1,20 @@
 """The training loop of ``lstrain train``: one process, or one rank of a ``torchrun`` job.
 
+The model family (GPT-2, BERT) comes from :data:`lstrain.train.families.FAMILIES`; the
+loop itself knows no family: it builds the family's config and model, asks the data for
+causal or masked LM, takes the model's inputs from each batch through the family's entry,
+and saves HF checkpoints with the model's ``save_pretrained``.
+
 What has run: the eager loop on the CPU, in one process and as 2 gloo processes (the
 tests, and ``torchrun`` by hand), with FusedAdamW in the Triton interpreter (the tests) and
 with ``torch.optim.AdamW`` over the same flat buffers when the interpreter is off (the tiny
-recipe); ``torch.compile`` of the plain-PyTorch model on the CPU (a test). The CUDA paths
-(bf16 / fp16 parameters with the loss scaler, NCCL, compile of the fused model, the
-captured step) are written but have not run yet: they wait for a GPU session.
+recipe); ``torch.compile`` of the plain-PyTorch model on the CPU (a test). On an H200: bf16,
+fp16 with the loss scaler and fp32, ``torch.compile`` of the fused model and the captured
+step, each against the eager step (``tests/train/test_train.py::
+test_fused_gpu_runs_train_like_eager``, ``tests/train/test_capture.py``), and
+``recipes/gpt2-medium.toml`` for 40 steps eager and captured (the figures are in the
+recipe). Not run yet: NCCL (more than one GPU), and BERT on a GPU (its tests are marked
+``gpu``).
 """
 
 from __future__ import annotations
@@ -27,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from lstrain import _backend
-from lstrain.models import GPT2
 from lstrain.optim import FlatParameters, FusedAdamW, LossScaler
 from lstrain.train import checkpoint as ckpt
 from lstrain.train.capture import CapturedStep
-from lstrain.train.config import RunConfig
+from lstrain.train.config import RunConfig, TrainingConfig
+from lstrain.train.families import Family
 from lstrain.train.metrics import MetricsLog, plot_losses
 from lstrain.train.schedule import lr_factor
 
@@ -56,10 +65,10 @@ class Summary:
         eval_loss: the last validation loss, None without evaluation.
         losses: every step's training loss (rank 0's view: the mean over ranks), by step.
         checkpoint: the last checkpoint written, None if none.
-        sample: the generated text, None without ``[sample]``.
+        sample: the generated text, None without ``[sample]`` (and for BERT).
         model: the trained model (its parameters are views of the optimizer's flat buffers).
         tflops: model TFLOP/s over all ranks (``6 N + 12 L T D`` per token, N counting the
-            LM head's GEMM, as ``benchmarks/e2e.py``).
+            LM head's GEMM, as ``benchmarks/e2e.py``; the family's ``flops_per_token``).
         mfu: tflops over the ranks' datasheet dense bf16 peak, on a GPU the table knows;
             else None.
     """
@@ -72,7 +81,7 @@ class Summary:
     losses: dict[int, float]
     checkpoint: Path | None
     sample: str | None
-    model: GPT2 | None = None
+    model: torch.nn.Module | None = None
     tflops: float = 0.0
     mfu: float | None = None
 
@@ -139,16 +148,6 @@ def _memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 N + 12 L T D``, N the non-embedding parameters plus the
-    LM head's ``V x D`` (tied, but a GEMM all the same): ``benchmarks/e2e.py``'s count."""
-    d = config.n_embd
-    inner = config.n_inner or 4 * d
-    per_layer = 4 * d * d + 4 * d + 2 * d * inner + inner + d + 4 * d  # attention, MLP, two LayerNorms
-    params = config.n_layer * per_layer + 2 * d + config.vocab_size * d
-    return 6 * params + 12 * config.n_layer * seq_len * d
-
-
 def _mfu(tflops: float, device: torch.device, ranks: int) -> float | None:
     if device.type != "cuda":
         return None
@@ -158,15 +157,14 @@ def _mfu(tflops: float, device: torch.device, ranks: int) -> float | None:
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The model's inputs; the attention mask only where there is padding (checked on the
-    CPU batch: no device sync), since the unmasked kernels are the faster ones."""
-    out = {
-        "input_ids": batch["input_ids"].to(device, non_blocking=True),
-        "labels": batch["labels"].to(device, non_blocking=True),
-    }
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        out["attention_mask"] = mask.to(device, non_blocking=True)
+    """The model's inputs on the device; the attention mask only where there is padding
+    (checked on the CPU batch: no device sync), since the unmasked kernels are the faster
+    ones."""
+    out = {}
+    for key, value in batch.items():
+        if key == "attention_mask" and bool(value.all()):
+            continue
+        out[key] = value.to(device, non_blocking=True)
     return out
 
 
@@ -180,7 +178,7 @@ class _Stepper:
     optimizer state has torch's layout either way.
     """
 
-    def __init__(self, run: RunConfig, model: GPT2, world: _World, accumulation: int) -> None:
+    def __init__(self, run: RunConfig, model: torch.nn.Module, world: _World, accumulation: int) -> None:
         self.run, self.model, self.world, self.accumulation = run, model, world, accumulation
         training = run.training
         decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -274,11 +272,34 @@ class _Stepper:
             self.scaler.load_state_dict(state["scaler"])
 
 
-def _check_run(run: RunConfig, world: _World, n_positions: int) -> int:
+def _data_position(training: TrainingConfig, world_size: int, accumulation: int) -> dict[str, int]:
+    """What a checkpoint's data position depends on: step k starts at sample k x
+    sequences_per_step of sequences of seq_len tokens (ranks and micro-batches may split
+    the sequences otherwise: the samples stay the same)."""
+    return {"sequences_per_step": training.local_batch_size * world_size * accumulation, "seq_len": training.seq_len}
+
+
+def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any, data: Any) -> int:
     """Everything that can be wrong before a step runs; returns the accumulation steps."""
     training = run.training
-    if training.seq_len > n_positions:
-        raise ValueError(f"[training]: seq_len {training.seq_len} exceeds the model's n_positions {n_positions}")
+    positions = family.positions(model_config)
+    if training.seq_len > positions:
+        raise ValueError(
+            f"[training]: seq_len {training.seq_len} exceeds the model's {family.positions_field} {positions}"
+        )
+    if data.mlm != family.mlm:
+        task = "masked-LM" if family.mlm else "causal-LM"
+        raise ValueError(f"[model] {family.name} trains on {task} data, but the data given is not (build_data's mlm)")
+    fixed = getattr(data.train, "max_predictions_per_seq", None) is not None
+    if family.mlm and training.cuda_graphs and not fixed:
+        raise ValueError(
+            f"[training]: cuda_graphs with {family.label} needs [data] max_predictions_per_seq (a fixed number of "
+            "masked positions per sequence: the loss then gathers its rows with a static shape, with no host sync)"
+        )
+    if run.sample.max_new_tokens and not family.generates:
+        raise ValueError(
+            f"[sample]: {family.label} does not generate text; set sample.max_new_tokens = 0 (or leave [sample] out)"
+        )
     if training.cuda_graphs and world.device.type != "cuda":
         raise ValueError("[training]: cuda_graphs needs CUDA (this run is on the CPU)")
     if training.cuda_graphs and training.compile:
@@ -291,7 +312,7 @@ def _check_run(run: RunConfig, world: _World, n_positions: int) -> int:
     return training.accumulation(world.size)
 
 
-def _sample(model: GPT2, tokenizer, run: RunConfig, prompt_ids: list[int], device: torch.device) -> str:
+def _sample(model: torch.nn.Module, tokenizer, run: RunConfig, prompt_ids: list[int], device: torch.device) -> str:
     """Continue ``prompt_ids`` by ``max_new_tokens`` sampled tokens; the decoded text."""
     config = run.sample
     generator = torch.Generator().manual_seed(run.training.seed)
@@ -318,6 +339,7 @@ def train(
     data: Any = None,
     progress: bool = True,
     echo: Callable[[str], None] | None = None,
+    allow_batch_change: bool = False,
 ) -> Summary:
     """Train the recipe's model on its data; checkpoints, metrics and a summary on rank 0.
 
@@ -330,19 +352,24 @@ def train(
             builds it (None: ``lstrain.data.build_data(run.data, ...)``).
         progress: show the tqdm progress bar (rank 0).
         echo: where rank 0's lines go (default: print to stdout).
+        allow_batch_change: resume a checkpoint trained with another number of sequences
+            per optimizer step or another seq_len (refused by default: its data position
+            does not carry over); the data then continues at step x the new batch.
 
     Returns:
         The :class:`Summary` (on every rank; the losses are the mean over ranks).
 
     Raises:
         ValueError, FileNotFoundError: bad input, found before any step runs and before
-            anything is written: a missing data path, seq_len beyond n_positions, a batch
-            that does not divide across ranks, a new run over existing checkpoints, a
-            checkpoint of another model, cuda_graphs without CUDA.
+            anything is written: a missing data path, seq_len beyond the model's positions,
+            a batch that does not divide across ranks, a new run over existing
+            checkpoints, a checkpoint of another model or of another batch / seq_len,
+            cuda_graphs without CUDA (or, for BERT, without fixed masked positions),
+            ``[sample]`` for a family that does not generate.
     """
     world = _setup_world(run.training.device)
     try:
-        summary = _train(run, world, resume, data, progress, echo or print)
+        summary = _train(run, world, resume, data, progress, echo or print, allow_batch_change)
     except BaseException:
         if world.initialized_here:  # no barrier: the other ranks may never reach one
             dist.destroy_process_group()
@@ -353,26 +380,36 @@ def train(
     return summary
 
 
-def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) -> Summary:
+def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, allow_batch_change: bool) -> Summary:
     training, device = run.training, world.device
+    family = run.model.family
     say = echo if world.main else (lambda line: None)
     if data is None:
         from lstrain.data import build_data
 
-        data = build_data(run.data, seq_len=training.seq_len, seed=training.seed, mlm=False)
-    model_config = run.model.build(data.tokenizer.vocab_size)
+        data = build_data(run.data, seq_len=training.seq_len, seed=training.seed, mlm=family.mlm)
+    model_config = run.model.build(data.tokenizer.vocab_size, data.tokenizer.pad_id)
     if "fused" not in run.model.fields and world.device.type == "cpu" and not _backend.interpreter_active():
         # lstrain's ops would run their plain-PyTorch references here anyway; the fused=False
         # twin (the same parameters and checkpoints) is the faster way to run them
         model_config = dataclasses.replace(model_config, fused=False)
-    accumulation = _check_run(run, world, model_config.n_positions)
+    accumulation = _check_run(run, world, family, model_config, data)
+    dtype = _DTYPES[training.mixed_precision]
     folder = Path(run.checkpoint.folder)
-    start_checkpoint = None
+    start_checkpoint, state, changed = None, None, None
     if resume:
         start_checkpoint = ckpt.find_checkpoint(folder if resume is True else resume)
         mismatch = ckpt.model_mismatch(start_checkpoint, model_config.to_hf_dict())
         if mismatch:
             raise ValueError(f"--resume: {start_checkpoint} holds another model: {'; '.join(mismatch)}")
+        state = ckpt.load_trainer_state(start_checkpoint)
+        changed = ckpt.data_mismatch(state, _data_position(training, world.size, accumulation))
+        if changed and not allow_batch_change:
+            raise ValueError(
+                f"--resume: {start_checkpoint} was trained with {changed}: its data position (step x sequences per "
+                "step) does not carry over; resume with the checkpoint's batch and seq_len, or pass "
+                "--allow-batch-change to continue anyway (the data then continues at step x the new batch)"
+            )
     elif run.checkpoint.enabled and ckpt.list_checkpoints(folder):
         raise ValueError(
             f"[checkpoint]: {folder} already holds checkpoints; pass --resume to continue, or set another folder "
@@ -380,24 +417,23 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         )
 
     torch.manual_seed(training.seed)  # every rank builds the same initial model
-    model = GPT2(model_config, device=device, dtype=_DTYPES[training.mixed_precision]).train()
+    model = family.model_cls(model_config, device=device, dtype=dtype).train()
     start_step = 0
-    state = None
     if start_checkpoint is not None:
-        loaded = GPT2.from_pretrained(start_checkpoint, device=device, dtype=_DTYPES[training.mixed_precision])
+        loaded = family.model_cls.from_pretrained(start_checkpoint, device=device, dtype=dtype)
         model.load_state_dict(loaded.state_dict())
         del loaded
-        state = ckpt.load_trainer_state(start_checkpoint)
         start_step = state["step"]
     stepper = _Stepper(run, model, world, accumulation)
     if state is not None:
         stepper.load_state_dict(state)
         _set_rng_state(state["rng"])
     parameters = sum(p.numel() for p in model.parameters())
+    layers, width = family.shape(model_config)
     local = training.local_batch_size  # rows per rank: the data's batch() gives each rank its own
     tokens_per_step = local * world.size * accumulation * training.seq_len
     say(
-        f"lstrain train: {model_config.n_layer} layers x {model_config.n_embd}, {parameters / 1e6:.2f}M parameters, "
+        f"lstrain train: {family.label}, {layers} layers x {width}, {parameters / 1e6:.2f}M parameters, "
         f"vocab {model_config.vocab_size}; {training.local_batch_size} x {world.size} rank(s) x {training.seq_len} "
         f"x {accumulation} accumulation = {tokens_per_step} tokens per step; {training.steps} steps on {device} "
         f"({'lstrain kernels' if model_config.fused else 'plain-PyTorch model'}, "
@@ -405,6 +441,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
     )
     if start_checkpoint is not None:
         say(f"resuming from {start_checkpoint} (step {start_step})")
+        if changed:
+            say(f"--allow-batch-change: trained with {changed}; the data continues at step x the new batch")
 
     log = None
     if world.main:
@@ -414,6 +452,9 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         if start_checkpoint is None:
             log.write({"step": 0, "run": run.to_dict(), "parameters": parameters, "world_size": world.size})
     plot_path = Path(run.metrics.folder) / "loss.png"
+
+    def inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _to_device(family.inputs(batch), device)
 
     def mean_over_ranks(value: torch.Tensor) -> float:
         if world.size > 1:
@@ -429,7 +470,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         total = torch.zeros((), dtype=torch.float32, device=device)
         with torch.no_grad():
             for i in range(run.eval.steps):
-                batch = _to_device(data.val.batch(i, local, rank=world.rank, world_size=world.size), device)
+                batch = inputs(data.val.batch(i, local, rank=world.rank, world_size=world.size))
                 total += model(**batch).loss.float()
         model.train()
         return mean_over_ranks(total / run.eval.steps)
@@ -438,6 +479,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         state = {
             "step": step,
             "data_step": step * accumulation,
+            "data": _data_position(training, world.size, accumulation),
             **stepper.state_dict(),
             "scheduler": {"step": step, "total_steps": training.steps},
             "rng": _rng_state(),
@@ -468,7 +510,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         if not training.cuda_graphs:  # the graph's dropout offsets advance per replay instead
             torch.manual_seed(_step_seed(training.seed, step, world.rank))
         batches = [
-            _to_device(data.train.batch(step * accumulation + m, local, rank=world.rank, world_size=world.size), device)
+            inputs(data.train.batch(step * accumulation + m, local, rank=world.rank, world_size=world.size))
             for m in range(accumulation)
         ]
         loss = step_fn(batches)
@@ -494,7 +536,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
                 log.write({"step": done, "eval_loss": eval_loss})
                 (bar.write if progress else say)(f"step {done}: eval loss {eval_loss:.4f}")
             if log is not None:
-                plot_losses(plot_path, log.records, f"{model_config.n_layer} x {model_config.n_embd} GPT-2")
+                plot_losses(plot_path, log.records, f"{layers} x {width} {family.label}")
         interval = run.checkpoint.interval
         if run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps):
             if world.main:
@@ -510,7 +552,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo) ->
         if not prompt:
             prompt = data.val.batch(0, 1)["input_ids"][0, :8].tolist()
         sample = _sample(model, data.tokenizer, run, prompt, device)
-    tflops = ran * tokens_per_step * _flops_per_token(model_config, training.seq_len) / max(seconds, 1e-9) / 1e12
+    flops_per_token = family.flops_per_token(model_config, training.seq_len, run.data)
+    tflops = ran * tokens_per_step * flops_per_token / max(seconds, 1e-9) / 1e12
     summary = Summary(
         steps=ran,
         tokens=ran * tokens_per_step,

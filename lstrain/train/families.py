@@ -1,0 +1,140 @@
+"""The model families ``lstrain train`` knows: one table, one entry per ``[model] name``.
+
+An entry says everything the loop needs that differs between families: the Config dataclass
+and the model class (with ``from_pretrained`` / ``save_pretrained``), the presets, which
+fields come from the tokenizer, whether the data is causal LM or masked LM, the longest
+sequence, how the model's inputs are taken from a data batch, the FLOPs of a token and
+whether a text sample can be generated. Adding a family (``llama``) is a Config dataclass
+and a model in :mod:`lstrain.models` plus one :class:`Family` in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lstrain.models import GPT2, BertConfig, BertForMaskedLM, GPT2Config
+
+__all__ = ["FAMILIES", "Family"]
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the training loop needs to know about one model family.
+
+    Attributes:
+        name: ``[model] name``.
+        label: the family's name in messages and the loss curve's title.
+        config_cls: the model's Config dataclass (HF's field names; its ``[model]`` keys).
+        model_cls: ``model_cls(config, device=, dtype=)``, ``from_pretrained(dir, device=,
+            dtype=)`` and ``save_pretrained(dir)`` (HF's config.json + model.safetensors).
+        presets: the config classmethods ``[model] preset`` may name.
+        mlm: the data is masked LM (``lstrain.data.build_data(mlm=True)``), not causal LM.
+        tokenizer_fields: (vocab_size, pad_id) of the tokenizer -> the config fields taken
+            from it; a recipe may set any of them but ``vocab_size`` itself.
+        positions_field: the config field that bounds seq_len (the position table's rows).
+        shape_fields: the config fields of (layers, width), for messages.
+        inputs: a data batch (``TokenStream.batch``'s dict) -> the model's keyword arguments.
+        flops_per_token: (config, seq_len, data config) -> training FLOPs per token.
+        generates: whether ``[sample]`` can continue a prompt (causal families).
+    """
+
+    name: str
+    label: str
+    config_cls: type
+    model_cls: type
+    presets: tuple[str, ...]
+    mlm: bool
+    tokenizer_fields: Callable[[int, int | None], dict[str, Any]]
+    positions_field: str
+    shape_fields: tuple[str, str]
+    inputs: Callable[[Batch], Batch]
+    flops_per_token: Callable[[Any, int, Any], float]
+    generates: bool
+
+    def positions(self, config: Any) -> int:
+        """The longest sequence a model of ``config`` takes."""
+        return getattr(config, self.positions_field)
+
+    def shape(self, config: Any) -> tuple[int, int]:
+        """(layers, width) of ``config``."""
+        return tuple(getattr(config, name) for name in self.shape_fields)
+
+
+def _gpt2_flops(config: GPT2Config, seq_len: int, data) -> float:
+    """``6 N + 12 L T D``, N the non-embedding parameters plus the LM head's ``V x D`` (tied,
+    but a GEMM all the same): ``benchmarks/e2e.py``'s count."""
+    d = config.n_embd
+    inner = config.n_inner or 4 * d
+    per_layer = 4 * d * d + 4 * d + 2 * d * inner + inner + d + 4 * d  # attention, MLP, two LayerNorms
+    params = config.n_layer * per_layer + 2 * d + config.vocab_size * d
+    return 6 * params + 12 * config.n_layer * seq_len * d
+
+
+def _gpt2_inputs(batch: Batch) -> Batch:
+    out = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if "attention_mask" in batch:
+        out["attention_mask"] = batch["attention_mask"]
+    return out
+
+
+def _bert_flops(config: BertConfig, seq_len: int, data) -> float:
+    """``benchmarks/e2e.py``'s count: ``6 N + 12 L T D`` over the encoder, plus the MLM head
+    (transform + decoder) on the share of rows it runs on: ``max_predictions_per_seq /
+    seq_len`` with fixed masked positions, else the masking probability."""
+    d, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    params = layers * (4 * d * d + 2 * d * ffn + ffn + 9 * d) + 2 * d
+    predictions = getattr(data, "max_predictions_per_seq", None)
+    share = min(predictions / seq_len, 1.0) if predictions else getattr(data, "mlm_probability", 0.15)
+    head = d * d + d + 2 * d + config.vocab_size * d
+    return 6 * params + 12 * layers * seq_len * d + share * 6 * head
+
+
+def _bert_inputs(batch: Batch) -> Batch:
+    """The fixed-size masked positions when the data has them (the static-shape, capturable
+    loss), else the full labels."""
+    out = {"input_ids": batch["input_ids"]}
+    if "attention_mask" in batch:
+        out["attention_mask"] = batch["attention_mask"]
+    if "masked_positions" in batch:
+        out["masked_positions"], out["labels"] = batch["masked_positions"], batch["masked_labels"]
+    else:
+        out["labels"] = batch["labels"]
+    return out
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family(
+        name="gpt2",
+        label="GPT-2",
+        config_cls=GPT2Config,
+        model_cls=GPT2,
+        presets=("small", "medium", "large"),
+        mlm=False,
+        tokenizer_fields=lambda vocab_size, pad_id: {"vocab_size": vocab_size},
+        positions_field="n_positions",
+        shape_fields=("n_layer", "n_embd"),
+        inputs=_gpt2_inputs,
+        flops_per_token=_gpt2_flops,
+        generates=True,
+    ),
+    "bert": Family(
+        name="bert",
+        label="BERT",
+        config_cls=BertConfig,
+        model_cls=BertForMaskedLM,
+        presets=("base", "large"),
+        mlm=True,
+        tokenizer_fields=lambda vocab_size, pad_id: {"vocab_size": vocab_size, "pad_token_id": pad_id},
+        positions_field="max_position_embeddings",
+        shape_fields=("num_hidden_layers", "hidden_size"),
+        inputs=_bert_inputs,
+        flops_per_token=_bert_flops,
+        generates=False,
+    ),
+}
