@@ -28,6 +28,10 @@ from lstrain.ops import (
     layer_norm,
     linear_cross_entropy,
     rms_norm,
+    rope,
+    rope_qkv,
+    rope_qkv_ref,
+    rope_ref,
     swiglu_mlp,
 )
 from lstrain.ops.swiglu import PAIR_BLOCK
@@ -128,26 +132,28 @@ def rms_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     return cases
 
 
-class _SecondOutputGradient(torch.autograd.Function):
-    """``first`` as it is, with ``second`` kept in the graph: backward gives ``first`` the
-    runner's upstream gradient and ``second`` the fixed ``second_grad``. The runner times one
-    output; this times a two-output op with both gradients flowing, at no cost either way."""
+class _OtherOutputGradients(torch.autograd.Function):
+    """``first`` as it is, with the op's other outputs kept in the graph: backward gives
+    ``first`` the runner's upstream gradient and each other output its fixed gradient. The
+    runner times one output; this times a many-output op with every gradient flowing, at
+    no cost either way."""
 
     @staticmethod
-    def forward(ctx, first, second, second_grad):
-        ctx.save_for_backward(second_grad)
+    def forward(ctx, first, count, *others_then_grads):
+        ctx.save_for_backward(*others_then_grads[count:])
         return first.view_as(first)
 
     @staticmethod
     def backward(ctx, grad):
-        (second_grad,) = ctx.saved_tensors
-        return grad, second_grad, None
+        grads = ctx.saved_tensors
+        return grad, None, *grads, *(None,) * len(grads)
 
 
-# Outside torch.compile's graph: the compiled competitor is the op alone, with two outputs.
+# Outside torch.compile's graph: the compiled competitor is the op alone, with all its outputs.
 @torch.compiler.disable
-def _both_outputs(outputs: tuple[torch.Tensor, torch.Tensor], second_grad: torch.Tensor) -> torch.Tensor:
-    return _SecondOutputGradient.apply(*outputs, second_grad)
+def _all_outputs(outputs: tuple[torch.Tensor, ...], other_grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``outputs[0]``, differentiated with ``other_grads`` reaching ``outputs[1:]``."""
+    return _OtherOutputGradients.apply(outputs[0], len(other_grads), *outputs[1:], *other_grads)
 
 
 def _liger_add_rms_norm():
@@ -181,18 +187,18 @@ def add_rms_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
         def eager(x, residual, weight, d_residual, cols=cols):
             new_residual = x + residual
             normed = torch.nn.functional.rms_norm(new_residual, (cols,), weight, 1e-6)
-            return _both_outputs((normed, new_residual), d_residual)
+            return _all_outputs((normed, new_residual), (d_residual,))
 
         impls = {
-            "lstrain": lambda x, residual, weight, d_residual, cols=cols: _both_outputs(
-                add_rms_norm(x, residual, cols, weight, 1e-6), d_residual
+            "lstrain": lambda x, residual, weight, d_residual, cols=cols: _all_outputs(
+                add_rms_norm(x, residual, cols, weight, 1e-6), (d_residual,)
             ),
             "eager": eager,
             "torch.compile": eager,
         }
         if (liger := _liger_add_rms_norm()) is not None:
-            impls["liger"] = lambda x, residual, weight, d_residual, liger=liger: _both_outputs(
-                liger(x, residual, weight), d_residual
+            impls["liger"] = lambda x, residual, weight, d_residual, liger=liger: _all_outputs(
+                liger(x, residual, weight), (d_residual,)
             )
         # forward reads x and residual, writes normed and the new residual; backward reads
         # dnormed, dnew_residual and the new residual, writes dx (which is dresidual too);
@@ -205,6 +211,88 @@ def add_rms_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
         grad_inputs = ["x", "residual", "weight"]
         cases.append(BenchCase("add_rms_norm", label, make, grad_inputs, impls, min_bytes, target, target_vs=target_vs))
     return cases
+
+
+def _rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """LlamaRotaryEmbedding's cos and sin at positions 0 .. seq - 1 (base 10000), in ``dtype``."""
+    inv_freq = 10000.0 ** -(torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float32) / head_dim)
+    freqs = torch.arange(seq, device="cuda", dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _liger_rope():
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError:
+        return None
+    return LigerRopeFunction.apply
+
+
+def rope_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    batch, heads, seq, head_dim = 4, 32, 4096, 128
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def projected():  # HF's q_proj(x).view(b, s, h, d).transpose(1, 2), as a leaf
+            x = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+            return x.transpose(1, 2).requires_grad_()
+
+        cos, sin = _rope_tables(seq, head_dim, dtype)
+        d_k = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, generator=gen)
+        return {"q": projected(), "k": projected(), "cos": cos, "sin": sin, "d_k": d_k}
+
+    def eager(q, k, cos, sin, d_k):  # rope_ref is HF's apply_rotary_pos_emb formula (tested against it)
+        return _all_outputs((rope_ref(q, cos, sin), rope_ref(k, cos, sin)), (d_k,))
+
+    impls = {
+        "lstrain": lambda q, k, cos, sin, d_k: _all_outputs((rope(q, cos, sin), rope(k, cos, sin)), (d_k,)),
+        "eager": eager,
+        "torch.compile": eager,
+    }
+    if (liger := _liger_rope()) is not None:
+        # Liger rotates q and k in place (HF's layout is its contiguous one) and dq, dk in
+        # backward; it runs last, so no other implementation sees its rotated inputs
+        impls["liger"] = lambda q, k, cos, sin, d_k, liger=liger: _all_outputs(liger(q, k, cos, sin), (d_k,))
+    element = torch.finfo(dtype).bits // 8
+    tensor = batch * heads * seq * head_dim * element
+    # forward reads q and k, writes both rotated; backward reads dq and dk, writes their
+    # rotations back; cos and sin are read once each way
+    min_bytes = 8 * tensor + 4 * seq * head_dim * element
+    # issue 33: >= 85% of the copy bandwidth (4281 GB/s on an H200 -> 0.296 ms) and >= 1.25x
+    # the best competitor (torch.compile, as for rms_norm)
+    label = f"{batch} x {heads} x {seq} x {head_dim}, q and k"
+    case = BenchCase("rope", label, make, ["q", "k"], impls, min_bytes, 0.296, target_vs=("torch.compile", 1.25))
+    return [case]
+
+
+def rope_qkv_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    batch, seq, heads, kv_heads, head_dim = 4, 4096, 32, 8, 128  # LLaMA-3 8B's attention
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        width = (heads + 2 * kv_heads) * head_dim
+        qkv = torch.randn(batch, seq, width, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        cos, sin = _rope_tables(seq, head_dim, dtype)
+        d_k, d_v = torch.randn(2, batch, kv_heads, seq, head_dim, device="cuda", dtype=dtype, generator=gen)
+        return {"qkv": qkv, "cos": cos, "sin": sin, "d_k": d_k, "d_v": d_v}
+
+    def eager(qkv, cos, sin, d_k, d_v):  # views of the heads, then HF's formula
+        return _all_outputs(rope_qkv_ref(qkv, cos, sin, heads, kv_heads), (d_k, d_v))
+
+    impls = {
+        "lstrain": lambda qkv, cos, sin, d_k, d_v: _all_outputs(rope_qkv(qkv, cos, sin, heads, kv_heads), (d_k, d_v)),
+        "eager": eager,
+        "torch.compile": eager,
+    }
+    element = torch.finfo(dtype).bits // 8
+    head = batch * seq * head_dim * element
+    # forward reads q's and k's columns, writes q and k; backward reads dq, dk and dv,
+    # writes d(qkv); cos and sin are read once each way
+    min_bytes = 2 * (heads + kv_heads) * head + 2 * (heads + 2 * kv_heads) * head + 4 * seq * head_dim * element
+    label = f"{batch} x {seq}, {heads} + {kv_heads} + {kv_heads} heads x {head_dim}"
+    return [BenchCase("rope_qkv", label, make, ["qkv"], impls, min_bytes)]
 
 
 def attention_softmax_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -503,6 +591,8 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "layer_norm": layer_norm_cases,
     "rms_norm": rms_norm_cases,
     "add_rms_norm": add_rms_norm_cases,
+    "rope": rope_cases,
+    "rope_qkv": rope_qkv_cases,
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
     "bias_act_dropout": bias_act_dropout_cases,
@@ -670,6 +760,8 @@ TITLES: dict[str, str] = {
     "layer_norm": "LayerNorm (weight + bias), bf16, forward + backward",
     "rms_norm": "RMSNorm (weight), bf16, forward + backward",
     "add_rms_norm": "Residual add + RMSNorm (weight), bf16, forward + backward of both outputs",
+    "rope": "RoPE (rotate-half) of q and k in HF's layout, bf16, forward + backward",
+    "rope_qkv": "RoPE of q and k read from a packed QKV projection (GQA), bf16, forward + backward",
     "attention_softmax": "Attention softmax (scale + causal mask), bf16, forward + backward",
     "bias_dropout_residual": "Bias + dropout + residual, bf16, forward + backward",
     "bias_act_dropout": "Bias + GELU + dropout, bf16, forward + backward",

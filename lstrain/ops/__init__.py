@@ -11,6 +11,7 @@ from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
+from lstrain.ops.rope import rope, rope_qkv, rope_qkv_ref, rope_ref
 from lstrain.ops.swiglu import swiglu_mlp, swiglu_mlp_ref
 
 __all__ = [
@@ -35,6 +36,10 @@ __all__ = [
     "linear_cross_entropy_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rope",
+    "rope_qkv",
+    "rope_qkv_ref",
+    "rope_ref",
     "swiglu_mlp",
     "swiglu_mlp_ref",
 ]

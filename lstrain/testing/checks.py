@@ -36,6 +36,10 @@ from lstrain.ops import (
     linear_cross_entropy_ref,
     rms_norm,
     rms_norm_ref,
+    rope,
+    rope_qkv,
+    rope_qkv_ref,
+    rope_ref,
     swiglu_mlp,
     swiglu_mlp_ref,
 )
@@ -52,6 +56,8 @@ from lstrain.testing.strategies import (
     layer_norm_cases,
     linear_cross_entropy_cases,
     rms_norm_cases,
+    rope_cases,
+    rope_qkv_cases,
     swiglu_cases,
 )
 
@@ -158,6 +164,63 @@ def _run_add_rms_norm(case: dict, device: str) -> CheckResult:
 
     with _backend.record_backends() as ran:
         comparisons = check_function(op, reference, inputs, atol=_atol(dtype, device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _rope_cos_sin(case: dict, batch: int, seq: int, generator, device: str, dtype: torch.dtype):
+    """cos and sin for a RoPE case, in ``dtype`` as LlamaRotaryEmbedding returns them: its
+    tables at random position ids (base 10000), or random values; shared or per batch."""
+    head_dim = case["head_dim"]
+    table_batch = {"shared": (), "one": (1,), "per_batch": (batch,)}[case["table_batch"]]
+    if case["tables"] == "random":
+        cos, sin = (torch.randn((*table_batch, seq, head_dim), generator=generator) for _ in range(2))
+    else:
+        inv_freq = 10000.0 ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        positions = torch.randint(0, 8192, (*table_batch, seq), generator=generator).double()
+        freqs = positions[..., None] * inv_freq
+        angles = freqs.repeat_interleave(2, -1) if case["interleaved"] else torch.cat((freqs, freqs), -1)
+        cos, sin = angles.cos(), angles.sin()
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def _run_rope(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    batch, heads, seq = case["shape"]
+    dtype, head_dim = case["dtype"], case["head_dim"]
+    x = _randn((batch, seq, heads, head_dim), gen, device, dtype)
+    x = x.transpose(1, 2) if case["layout"] == "hf" else x.transpose(1, 2).contiguous()
+    cos, sin = _rope_cos_sin(case, batch, seq, gen, device, dtype)
+
+    def run(fn):
+        return lambda x, cos, sin: fn(x, cos, sin, interleaved=case["interleaved"])
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(rope), run(rope_ref), {"x": x, "cos": cos, "sin": sin}, grad_inputs=["x"],
+            atol=_atol(dtype, device), generator=gen,
+        )  # fmt: skip
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_rope_qkv(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    batch, seq = case["shape"]
+    dtype, head_dim = case["dtype"], case["head_dim"]
+    heads, kv_heads = case["num_heads"], case["num_kv_heads"]
+    qkv = _randn((batch, seq, (heads + 2 * kv_heads) * head_dim), gen, device, dtype)
+    cos, sin = _rope_cos_sin(case, batch, seq, gen, device, dtype)
+
+    # q, k and v side by side along the heads, for the tolerance rule's one tensor
+    def run(fn):
+        return lambda qkv, cos, sin: torch.cat(
+            fn(qkv, cos, sin, heads, kv_heads, interleaved=case["interleaved"]), dim=1
+        )
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(rope_qkv), run(rope_qkv_ref), {"qkv": qkv, "cos": cos, "sin": sin}, grad_inputs=["qkv"],
+            atol=_atol(dtype, device), generator=gen,
+        )  # fmt: skip
     return CheckResult(comparisons, [b for _, b in ran])
 
 
@@ -382,6 +445,13 @@ OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "rms_norm": OpCheck("rms_norm", rms_norm_cases, _run_rms_norm),
     "add_rms_norm": OpCheck("add_rms_norm", rms_norm_cases, _run_add_rms_norm),
+    "rope": OpCheck("rope", rope_cases, _run_rope, sizes=lambda case: (*case["shape"], case["head_dim"])),
+    "rope_qkv": OpCheck(
+        "rope_qkv",
+        rope_qkv_cases,
+        _run_rope_qkv,
+        sizes=lambda case: (*case["shape"], case["num_heads"] + 2 * case["num_kv_heads"], case["head_dim"]),
+    ),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),
     "linear_cross_entropy": OpCheck(

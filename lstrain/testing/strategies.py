@@ -30,6 +30,8 @@ __all__ = [
     "linear_cross_entropy_cases",
     "register_profiles",
     "rms_norm_cases",
+    "rope_cases",
+    "rope_qkv_cases",
     "row_widths",
     "seeds",
     "swiglu_cases",
@@ -154,6 +156,54 @@ def rms_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) 
         "weight": draw(st.booleans()),
         "eps": draw(st.sampled_from([None, 1e-5, 1e-6])),
         "scale": draw(st.sampled_from([1.0, 1.0, 1e-3])),
+        "seed": draw(seeds()),
+    }
+
+
+def _rope_tables(draw, small: bool) -> dict:
+    """What RoPE's rotation and tables look like: style, batch layout of cos/sin, values."""
+    return {
+        "head_dim": 2 * draw(st.sampled_from([1, 2, 3, 4, 32, 40, 64]) | st.integers(1, 64 if small else 128)),
+        "interleaved": draw(st.booleans()),
+        # cos/sin [seq, d], [1, seq, d] or [batch, seq, d]
+        "table_batch": draw(st.sampled_from(["shared", "one", "per_batch"])),
+        # "hf": LlamaRotaryEmbedding's tables at random position ids; "random": any values,
+        # so that the formula is checked in full (halves or pair entries not equal)
+        "tables": draw(st.sampled_from(["hf", "random"])),
+    }
+
+
+@st.composite
+def rope_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A RoPE case: [batch, heads, seq, head_dim] (head_dim even), layout, tables, style, seed.
+
+    ``layout`` "hf" is Hugging Face's ``view(b, s, h, d).transpose(1, 2)`` of a projection.
+    """
+    small = device == "cpu"
+    return {
+        "shape": (
+            draw(st.integers(1, 3)),
+            draw(st.integers(1, 4 if small else 16)),
+            draw(st.integers(1, 24 if small else 512)),
+        ),
+        **_rope_tables(draw, small),
+        "layout": draw(st.sampled_from(["contiguous", "hf"])),
+        "dtype": dtype or draw(dtypes()),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def rope_qkv_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A packed-QKV RoPE case: batch, seq, kv heads and query heads per kv head (GQA), tables, style, seed."""
+    small = device == "cpu"
+    kv_heads = draw(st.integers(1, 3 if small else 8))
+    return {
+        "shape": (draw(st.integers(1, 3)), draw(st.integers(1, 24 if small else 512))),
+        "num_kv_heads": kv_heads,
+        "num_heads": kv_heads * draw(st.sampled_from([1, 2, 3] if small else [1, 4, 8])),
+        **_rope_tables(draw, small),
+        "dtype": dtype or draw(dtypes()),
         "seed": draw(seeds()),
     }
 

@@ -15,6 +15,7 @@ TARGETS = {
     ("layer_norm", "16384 x 8192"): (0.36, None, None),
     ("rms_norm", "16384 x 4096"): (0.184, None, ("torch.compile", 1.25)),
     ("add_rms_norm", "16384 x 4096"): (0.295, None, ("torch.compile", 1.25)),
+    ("rope", "4 x 32 x 4096 x 128, q and k"): (0.296, None, ("torch.compile", 1.25)),
     ("attention_softmax", "8 x 16 x 1024 x 1024, scale + causal"): (0.25, None, None),
     ("bias_dropout_residual", "16384 x 4096, dropout 0.1"): (0.21, None, None),
     ("cross_entropy", "16384 x 50257, smoothing 0.1, 5% ignored"): (0.95, None, None),
@@ -61,7 +62,8 @@ def _rows():
     for case in _cases():
         names = list(case.implementations)
         if (
-            case.op in ("layer_norm", "rms_norm", "add_rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu_mlp")
+            case.op
+            in ("layer_norm", "rms_norm", "add_rms_norm", "rope", "cross_entropy", "linear_cross_entropy", "swiglu_mlp")
             and "liger" not in names
         ):
             names.append("liger")
