@@ -12,7 +12,7 @@ angle of its position and frequency:
 
 cos and sin are taken as given, one full ``head_dim`` row per position, so the kernel
 computes exactly these formulas (cos's two halves, or the two entries of a pair, need
-not be equal). One program turns a block of positions of one head, in fp32, with one
+not be equal). One program turns a block of positions of up to 8 heads, in fp32, with one
 rounding at the store; backward is the transposed rotation by the same kernel.
 ``rope_qkv`` reads q and k from the packed projection output in place and writes them
 in SDPA's [batch, heads, seq, head_dim] layout; its backward writes the gradient of
@@ -54,17 +54,20 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _load_pairs(rows, mask, pair, half, BLOCK_SEQ: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """A [BLOCK_SEQ, BLOCK_HALF] tile of each element of the pairs: (first, second)."""
+def _load_pairs(
+    rows, mask, half, HEADS: tl.constexpr, BLOCK_SEQ: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr
+):
+    """From [HEADS, BLOCK_SEQ, 1] row pointers, a [HEADS, BLOCK_SEQ, BLOCK_HALF] tile of each
+    element of the pairs: (first, second)."""
     if INTERLEAVED:
         # One contiguous load of the whole rows, split into the even and odd elements.
-        col = tl.arange(0, 2 * BLOCK_HALF)
-        both = tl.load(rows + col[None, :], mask=mask & (col < 2 * half)[None, :], other=0.0)
-        first, second = tl.split(tl.reshape(both, [BLOCK_SEQ, BLOCK_HALF, 2]))
+        col = tl.arange(0, 2 * BLOCK_HALF)[None, None, :]
+        both = tl.load(rows + col, mask=mask & (col < 2 * half), other=0.0)
+        first, second = tl.split(tl.reshape(both, [HEADS, BLOCK_SEQ, BLOCK_HALF, 2]))
     else:
-        pair_mask = mask & (pair < half)[None, :]
-        first = tl.load(rows + pair[None, :], mask=pair_mask, other=0.0)
-        second = tl.load(rows + half + pair[None, :], mask=pair_mask, other=0.0)
+        pair = tl.arange(0, BLOCK_HALF)[None, None, :]
+        first = tl.load(rows + pair, mask=mask & (pair < half), other=0.0)
+        second = tl.load(rows + half + pair, mask=mask & (pair < half), other=0.0)
     return first, second
 
 
@@ -74,6 +77,7 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     out_ptr,
+    heads,
     seq,
     half,
     x_batch_stride,
@@ -88,20 +92,23 @@ def _rope_kernel(
     out_seq_stride,
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
     BLOCK_SEQ: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    # A program turns BLOCK_HEADS heads at BLOCK_SEQ positions: the positions' cos and sin
+    # rows, loaded once, serve every head of the block.
     batch = tl.program_id(2).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    position = tl.program_id(0).to(tl.int64) * BLOCK_SEQ + tl.arange(0, BLOCK_SEQ)
-    pair = tl.arange(0, BLOCK_HALF)
-    mask = (position < seq)[:, None]
-    x_rows = x_ptr + batch * x_batch_stride + head * x_head_stride + position[:, None] * x_seq_stride
-    cos_rows = cos_ptr + batch * cos_batch_stride + position[:, None] * cos_seq_stride
-    sin_rows = sin_ptr + batch * sin_batch_stride + position[:, None] * sin_seq_stride
-    x1, x2 = _load_pairs(x_rows, mask, pair, half, BLOCK_SEQ, BLOCK_HALF, INTERLEAVED)
-    cos1, cos2 = _load_pairs(cos_rows, mask, pair, half, BLOCK_SEQ, BLOCK_HALF, INTERLEAVED)
-    sin1, sin2 = _load_pairs(sin_rows, mask, pair, half, BLOCK_SEQ, BLOCK_HALF, INTERLEAVED)
+    head = (tl.program_id(1).to(tl.int64) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS))[:, None, None]
+    position = (tl.program_id(0).to(tl.int64) * BLOCK_SEQ + tl.arange(0, BLOCK_SEQ))[None, :, None]
+    table_mask = position < seq
+    mask = table_mask & (head < heads)
+    x_rows = x_ptr + batch * x_batch_stride + head * x_head_stride + position * x_seq_stride
+    cos_rows = cos_ptr + batch * cos_batch_stride + position * cos_seq_stride
+    sin_rows = sin_ptr + batch * sin_batch_stride + position * sin_seq_stride
+    x1, x2 = _load_pairs(x_rows, mask, half, BLOCK_HEADS, BLOCK_SEQ, BLOCK_HALF, INTERLEAVED)
+    cos1, cos2 = _load_pairs(cos_rows, table_mask, half, 1, BLOCK_SEQ, BLOCK_HALF, INTERLEAVED)
+    sin1, sin2 = _load_pairs(sin_rows, table_mask, half, 1, BLOCK_SEQ, BLOCK_HALF, INTERLEAVED)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     cos1 = cos1.to(tl.float32)
@@ -115,38 +122,43 @@ def _rope_kernel(
     else:
         out1 = x1 * cos1 - x2 * sin1
         out2 = x2 * cos2 + x1 * sin2
-    out_rows = out_ptr + batch * out_batch_stride + head * out_head_stride + position[:, None] * out_seq_stride
+    out_rows = out_ptr + batch * out_batch_stride + head * out_head_stride + position * out_seq_stride
     out1 = out1.to(out_ptr.dtype.element_ty)
     out2 = out2.to(out_ptr.dtype.element_ty)
     if INTERLEAVED:
-        col = tl.arange(0, 2 * BLOCK_HALF)
-        both = tl.reshape(tl.join(out1, out2), [BLOCK_SEQ, 2 * BLOCK_HALF])
-        tl.store(out_rows + col[None, :], both, mask=mask & (col < 2 * half)[None, :])
+        col = tl.arange(0, 2 * BLOCK_HALF)[None, None, :]
+        both = tl.reshape(tl.join(out1, out2), [BLOCK_HEADS, BLOCK_SEQ, 2 * BLOCK_HALF])
+        tl.store(out_rows + col, both, mask=mask & (col < 2 * half))
     else:
-        pair_mask = mask & (pair < half)[None, :]
-        tl.store(out_rows + pair[None, :], out1, mask=pair_mask)
-        tl.store(out_rows + half + pair[None, :], out2, mask=pair_mask)
+        pair = tl.arange(0, BLOCK_HALF)[None, None, :]
+        tl.store(out_rows + pair, out1, mask=mask & (pair < half))
+        tl.store(out_rows + half + pair, out2, mask=mask & (pair < half))
 
 
 @dataclass(frozen=True)
 class RopePlan:
-    """Launch settings: positions per program, the padded half head, warps."""
+    """Launch settings: heads and positions per program, the padded half head, warps."""
 
+    block_heads: int
     block_seq: int
     block_half: int
     num_warps: int
 
 
 @functools.cache
-def rope_plan(head_dim: int, seq: int) -> RopePlan:
-    """Launch settings for heads of ``head_dim`` elements over ``seq`` positions (a pure function).
+def rope_plan(heads: int, seq: int, head_dim: int) -> RopePlan:
+    """Launch settings for ``heads`` heads of ``head_dim`` elements over ``seq`` positions
+    (a pure function).
 
-    A program holds about 4096 elements of one head (32 positions of 128), enough loads
-    in flight to stream, few enough registers for 4 warps; short sequences get fewer rows.
+    A program holds about 4096 elements (8 heads x 4 positions x 128), enough loads in
+    flight to stream, few enough registers for 4 warps. Up to 8 heads share a program,
+    so its cos and sin rows are read (from L2) once per 8 heads, not per head, which
+    would read as many table bytes as head bytes; small heads or sequences get fewer rows.
     """
     block_half = triton.next_power_of_2(max(1, head_dim // 2))
-    block_seq = max(1, min(4096 // (2 * block_half), triton.next_power_of_2(seq)))
-    return RopePlan(block_seq, block_half, 4)
+    block_heads = min(8, triton.next_power_of_2(heads))
+    block_seq = max(1, min(4096 // (block_heads * 2 * block_half), triton.next_power_of_2(seq)))
+    return RopePlan(block_heads, block_seq, block_half, 4)
 
 
 def _launch(x, cos, sin, out, interleaved: bool, backward: bool) -> None:
@@ -155,12 +167,13 @@ def _launch(x, cos, sin, out, interleaved: bool, backward: bool) -> None:
     batch, heads, seq, head_dim = x.shape
     if x.numel() == 0:
         return
-    plan = rope_plan(head_dim, seq)
-    _rope_kernel[(cdiv(seq, plan.block_seq), heads, batch)](
-        x, cos, sin, out, seq, head_dim // 2,
+    plan = rope_plan(heads, seq, head_dim)
+    _rope_kernel[(cdiv(seq, plan.block_seq), cdiv(heads, plan.block_heads), batch)](
+        x, cos, sin, out, heads, seq, head_dim // 2,
         *x.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], *out.stride()[:3],
         INTERLEAVED=interleaved,
         BACKWARD=backward,
+        BLOCK_HEADS=plan.block_heads,
         BLOCK_SEQ=plan.block_seq,
         BLOCK_HALF=plan.block_half,
         num_warps=plan.num_warps,

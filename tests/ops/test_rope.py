@@ -4,7 +4,7 @@ from hypothesis import example, given, settings
 
 from lstrain import _backend
 from lstrain.ops import rope, rope_qkv, rope_qkv_ref, rope_ref
-from lstrain.ops.rope import dim_order, rope_plan
+from lstrain.ops.rope import RopePlan, dim_order, rope_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import rope_cases, rope_qkv_cases
@@ -154,11 +154,14 @@ def test_bad_input_names_the_argument(device, make, match):
 
 
 def test_launch_plan():
-    assert rope_plan(128, 4096) == rope_plan(128, 4096) and rope_plan(128, 4096).block_seq * 128 == 4096
-    assert rope_plan(80, 4096).block_half == 64 and rope_plan(2, 1).block_seq == 1
-    for head_dim in (2, 6, 64, 128, 256):
-        plan = rope_plan(head_dim, 3)
-        assert plan.block_seq <= 4 and 2 * plan.block_half >= head_dim
+    llama = rope_plan(32, 4096, 128)
+    assert llama == rope_plan(32, 4096, 128) and (llama.block_heads, llama.block_seq, llama.block_half) == (8, 4, 64)
+    assert rope_plan(3, 4096, 80).block_half == 64 and rope_plan(3, 4096, 80).block_heads == 4
+    assert rope_plan(1, 1, 2) == RopePlan(1, 1, 1, 4)
+    for heads, head_dim in ((1, 2), (5, 6), (32, 64), (8, 128), (64, 256)):
+        plan = rope_plan(heads, 3, head_dim)
+        assert plan.block_seq <= 4 and 2 * plan.block_half >= head_dim and plan.block_heads <= 8
+        assert plan.block_heads * plan.block_seq * plan.block_half <= 4096
 
 
 def test_torch_compile_fullgraph(device):
