@@ -4,8 +4,9 @@ packed QKV projection, as in LLaMA.
 ``qkv_proj`` (weight ``[(heads + 2 * kv_heads) * head_dim, dim]``) makes q, k and v in one
 GEMM; its rows are Hugging Face's ``q_proj``, ``k_proj`` and ``v_proj`` stacked in that
 order, and the state_dict holds them under those three keys, so HF ``LlamaAttention``
-weights load as they are. q and k are rotated (:func:`rope_qkv_torch`), v is a strided view
-of the projection; ``scaled_dot_product_attention`` computes the attention, with
+weights load as they are. q and k are rotated straight out of the projection
+(:func:`lstrain.ops.rope_qkv` in the fused layer, :func:`rope_qkv_torch` in its twin), v is a
+strided view of it; ``scaled_dot_product_attention`` computes the attention, with
 ``enable_gqa`` (flash, no copy of k/v) when there is no padding mask, and k/v repeated per
 query head otherwise (SDPA's GQA with a mask runs only its math backend).
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers.attention import sdpa_mask
+from lstrain.ops import rope_qkv
 
 __all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
 
@@ -142,9 +144,10 @@ class RotaryAttention(torch.nn.Module):
 
     Parameters: ``qkv_proj.weight`` ``[(heads + 2 * kv_heads) * head_dim, dim]`` (and
     ``qkv_proj.bias`` with ``bias``), ``o_proj.weight`` ``[dim, heads * head_dim]``;
-    state_dict keys are HF's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``. ``fused``
-    selects the rotary step (lstrain's op once it exists; :func:`rope_qkv_torch` until then)
-    and the backward of the packed projection; the parameters are the same either way.
+    state_dict keys are HF's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``. Fused, the
+    rotary step is :func:`lstrain.ops.rope_qkv` (q and k read from the projection in place,
+    rotated in one kernel, its backward writing the packed gradient in one buffer); unfused,
+    :func:`rope_qkv_torch`. The parameters are the same either way.
 
     Args:
         dim: model width.
@@ -196,8 +199,8 @@ class RotaryAttention(torch.nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        # fused: lstrain.ops.rope_qkv once it lands; until then the same contract in torch ops
-        q, k, v = rope_qkv_torch(self.qkv_proj(x), cos, sin, self.heads, self.kv_heads)
+        rotary = rope_qkv if self.fused else rope_qkv_torch
+        q, k, v = rotary(self.qkv_proj(x), cos, sin, self.heads, self.kv_heads)
         p = self.attn_dropout if self.training else 0.0
         grouped = self.kv_heads != self.heads
         if key_padding_mask is None:

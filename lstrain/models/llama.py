@@ -348,7 +348,9 @@ class Llama(torch.nn.Module):
         else:
             x = embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        # rounded to the model's dtype as HF does; fp32 for the fused kernel, which computes in fp32
+        table_dtype = torch.promote_types(x.dtype, torch.float32) if self.config.fused else x.dtype
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, table_dtype)
         residual = None  # each layer hands on (its MLP output, the stream); the next norm adds them
         for layer in self.model["layers"]:
             x, residual = layer(x, cos, sin, key_padding_mask, residual)
