@@ -2,7 +2,8 @@
 
 ``train(RunConfig(...))`` trains in this process, or as one rank of a ``torchrun`` job
 (data parallel over the flat gradient buffers); :mod:`lstrain.config` builds the
-``RunConfig`` from a TOML recipe. ``CapturedStep`` replays any training step from one
+``RunConfig`` from a TOML recipe; ``FAMILIES`` is the table of model families it trains
+(``[model] name``: gpt2, bert). ``CapturedStep`` replays any training step from one
 CUDA graph.
 """
 
@@ -18,6 +19,7 @@ from lstrain.train.config import (
     SampleConfig,
     TrainingConfig,
 )
+from lstrain.train.families import FAMILIES, Family
 from lstrain.train.loop import Summary, train
 from lstrain.train.schedule import lr_factor
 
@@ -26,6 +28,8 @@ __all__ = [
     "CapturedStep",
     "CheckpointConfig",
     "EvalConfig",
+    "FAMILIES",
+    "Family",
     "LRSchedulerConfig",
     "MetricsConfig",
     "ModelConfig",

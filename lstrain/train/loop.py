@@ -312,7 +312,9 @@ def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any,
     return training.accumulation(world.size)
 
 
-def _sample(model: torch.nn.Module, tokenizer, run: RunConfig, prompt_ids: list[int], device: torch.device) -> str:
+def _sample(
+    model: torch.nn.Module, tokenizer, run: RunConfig, prompt_ids: list[int], device: torch.device, positions: int
+) -> str:
     """Continue ``prompt_ids`` by ``max_new_tokens`` sampled tokens; the decoded text."""
     config = run.sample
     generator = torch.Generator().manual_seed(run.training.seed)
@@ -320,7 +322,7 @@ def _sample(model: torch.nn.Module, tokenizer, run: RunConfig, prompt_ids: list[
     model.eval()
     with torch.no_grad():
         for _ in range(config.max_new_tokens):
-            context = torch.tensor([ids[-model.config.n_positions :]], device=device)
+            context = torch.tensor([ids[-positions:]], device=device)
             logits = model(context).logits[0, -1].float().cpu()
             if config.temperature == 0:
                 token = int(logits.argmax())
@@ -551,7 +553,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         prompt = data.tokenizer.encode(run.sample.prompt) if run.sample.prompt else []
         if not prompt:
             prompt = data.val.batch(0, 1)["input_ids"][0, :8].tolist()
-        sample = _sample(model, data.tokenizer, run, prompt, device)
+        sample = _sample(model, data.tokenizer, run, prompt, device, family.positions(model_config))
     flops_per_token = family.flops_per_token(model_config, training.seq_len, run.data)
     tflops = ran * tokens_per_step * flops_per_token / max(seconds, 1e-9) / 1e12
     summary = Summary(

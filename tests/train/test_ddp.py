@@ -10,13 +10,14 @@ import torch.multiprocessing as mp
 from lstrain import _backend
 from lstrain.data import build_data
 from lstrain.train import train
-from tests.train.helpers import micro_run
+from tests.train.helpers import micro_bert_run, micro_run
 
 pytestmark = pytest.mark.skipif(
     not _backend.interpreter_active(), reason="FusedAdamW on the CPU needs the Triton interpreter: a CPU-only run"
 )
 
 STEPS = 3
+RUNS = {"gpt2": micro_run, "bert": micro_bert_run}
 
 
 def _quiet(line: str) -> None:
@@ -29,26 +30,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, folder: str) -> None:
+def _rank(rank: int, world: int, port: int, folder: str, family: str) -> None:
     # what torchrun sets; train() joins the group from it (gloo on the CPU)
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1"}
     )
     os.environ["MASTER_PORT"] = str(port)
-    run = micro_run(folder, steps=STEPS, dropout=0.0, local_batch_size=1)
+    run = RUNS[family](folder, steps=STEPS, dropout=0.0, local_batch_size=1)
     summary = train(run, progress=False, echo=_quiet)
     state = {k: v.clone() for k, v in summary.model.state_dict().items()}
     torch.save({"state": state, "losses": summary.losses}, os.path.join(folder, f"rank{rank}.pt"))
 
 
-def test_two_ranks_agree_with_one_process_over_the_global_batch(tmp_path):
+@pytest.mark.parametrize("family", list(RUNS))
+def test_two_ranks_agree_with_one_process_over_the_global_batch(tmp_path, family):
+    make = RUNS[family]
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     for folder in (ddp, single):  # the tokenized corpus cached before the ranks start
-        run = micro_run(folder, steps=STEPS)
+        run = make(folder, steps=STEPS)
         build_data(run.data, seq_len=run.training.seq_len, seed=run.training.seed)
-    mp.spawn(_rank, args=(2, _free_port(), str(ddp)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, _free_port(), str(ddp), family), nprocs=2, join=True)
     ranks = [torch.load(ddp / f"rank{r}.pt") for r in range(2)]
-    alone = train(micro_run(single, steps=STEPS, dropout=0.0, local_batch_size=2), progress=False, echo=_quiet)
+    alone = train(make(single, steps=STEPS, dropout=0.0, local_batch_size=2), progress=False, echo=_quiet)
 
     for key, a in ranks[0]["state"].items():
         assert torch.equal(a, ranks[1]["state"][key]), key  # the ranks hold identical weights
