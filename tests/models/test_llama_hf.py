@@ -40,8 +40,9 @@ def _inputs():
     labels = ids.clone()
     labels[0, :3] = -100
     mask = torch.ones_like(ids)
-    mask[1, -4:] = 0  # right padding: HF and we differ only at the padded positions
+    mask[1, -4:] = 0  # right padding and left padding: HF and we differ only at padded positions
     labels[1, -4:] = -100
+    mask[0, :2] = 0
     return ids, labels, mask
 
 
