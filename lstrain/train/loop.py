@@ -287,7 +287,7 @@ def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any,
         raise ValueError(
             f"[training]: seq_len {training.seq_len} exceeds the model's {family.positions_field} {positions}"
         )
-    if data.mlm != family.mlm:
+    if getattr(data, "mlm", family.mlm) != family.mlm:
         task = "masked-LM" if family.mlm else "causal-LM"
         raise ValueError(f"[model] {family.name} trains on {task} data, but the data given is not (build_data's mlm)")
     fixed = getattr(data.train, "max_predictions_per_seq", None) is not None

@@ -73,3 +73,11 @@ def test_the_default_recipe_is_gpt2_tiny():
     assert DEFAULT_RECIPE == "gpt2-tiny"
     assert resolve_recipe(None).name == "gpt2-tiny.toml" and resolve_recipe(None).is_file()
     assert resolve_recipe("gpt2-small") == resolve_recipe(None).with_name("gpt2-small.toml")
+    assert all(resolve_recipe(name).is_file() for name in ("gpt2-small", "gpt2-medium", "bert-base", "bert-large"))
+
+
+def test_allow_batch_change_reaches_train(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("lstrain.train.train", lambda run, **kwargs: seen.update(kwargs))
+    assert cli.main(["train", str(_recipe(tmp_path)), "--resume", "--allow-batch-change", "--no-progress"]) == 0
+    assert seen["resume"] is True and seen["allow_batch_change"] is True
