@@ -61,13 +61,20 @@ class FlatParameters:
 
     Args:
         groups: parameter groups, each a sequence of parameters (all on one device).
+        pad_to: each buffer's length is rounded up to a multiple of this (a multiple of
+            ``BLOCK``), so that it splits into equal block-aligned shards (ZeRO-1: ``world
+            size * BLOCK``); the padding blocks belong to the buffer's last parameter and,
+            like all padding, stay zero.
 
     Raises:
-        ValueError: parameters on more than one device, a parameter in two groups, or a
-            non-floating-point parameter.
+        ValueError: parameters on more than one device, a parameter in two groups, a
+            non-floating-point parameter, or ``pad_to`` not a positive multiple of ``BLOCK``.
     """
 
-    def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]]) -> None:
+    def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], *, pad_to: int = BLOCK) -> None:
+        if not (isinstance(pad_to, int) and pad_to > 0 and pad_to % BLOCK == 0):
+            raise ValueError(f"FlatParameters: pad_to must be a positive multiple of {BLOCK}, got {pad_to!r}")
+        self.pad_to = pad_to
         params = [p for group in groups for p in group]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("FlatParameters: a parameter appears twice")
@@ -89,10 +96,14 @@ class FlatParameters:
                 if p.dtype == dtype:
                     layout.append((p, size, index))
                     size = _round_up(size + p.numel(), BLOCK)
+        padding = _round_up(size, self.pad_to) - size
+        size += padding
         data = torch.zeros(size, dtype=dtype, device=self.device)
         grad = torch.zeros(size, dtype=dtype, device=self.device)
         # Built with device ops, not Python lists: a 2**31-element buffer has 2M blocks.
         blocks = torch.tensor([_round_up(p.numel(), BLOCK) // BLOCK for p, _, _ in layout], dtype=torch.int64)
+        if layout:
+            blocks[-1] += padding // BLOCK
         block_slot = torch.repeat_interleave(torch.arange(len(layout), dtype=torch.int32), blocks)
         block_group = torch.tensor([g for _, _, g in layout], dtype=torch.int32)[block_slot.long()]
         grad_views = []
