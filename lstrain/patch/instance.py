@@ -182,6 +182,9 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
     with another cache (static, quantized: generation) runs the module's own forward.
     """
     original = attention.forward
+    # The forward's own named arguments (the cache, in some 5.x releases cache_position) are
+    # not passed on to the attention function; the rest of its kwargs are.
+    own_arguments = [p.name for p in inspect.signature(original).parameters.values() if p.kind != p.VAR_KEYWORD][3:]
     models_module = sys.modules[type(attention).__module__]
     eager = models_module.eager_attention_forward
     functions = models_module.ALL_ATTENTION_FUNCTIONS
@@ -192,7 +195,7 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
         cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
         if position_embeddings is None or (cache is not None and type(cache) is not dynamic_cache):
             return original(hidden_states, position_embeddings, attention_mask, **kwargs)
-        for name in _CACHE_ARGUMENTS:
+        for name in (*_CACHE_ARGUMENTS, *own_arguments):
             kwargs.pop(name, None)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attention.head_dim)
@@ -223,7 +226,7 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
     return forward
 
 
-def _rope_reason(module: torch.nn.Module) -> str | None:
+def _rope_reason(module: torch.nn.Module, sliding_window: str) -> str | None:
     """Why ``module``'s forward cannot be routed through lstrain's rope, or None if it can."""
     parameters = list(inspect.signature(module.forward).parameters.values())
     names = [p.name for p in parameters[:3]]
@@ -232,6 +235,7 @@ def _rope_reason(module: torch.nn.Module) -> str | None:
     ):
         return f"its forward takes ({', '.join(p.name for p in parameters)}), not this transformers 5.x one"
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "attention_dropout")
+    needed += ("sliding_window",) if sliding_window == "module" else ()
     missing = [name for name in needed if not hasattr(module, name)]
     if missing:
         return f"has no {', '.join(missing)}"
@@ -255,7 +259,7 @@ def _route_rope(model: torch.nn.Module, family: Family, enabled: bool, state: _P
         elif rope is None:
             reason = "lstrain.ops.rope does not exist yet: transformers' apply_rotary_pos_emb rotates q and k"
             report.left_alone.append(LeftAlone(path, reason))
-        elif (reason := _rope_reason(module)) is not None:
+        elif (reason := _rope_reason(module, sliding_window)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
             _set_forward(module, _rope_attention_forward(module, rope, sliding_window), state)
@@ -264,6 +268,24 @@ def _route_rope(model: torch.nn.Module, family: Family, enabled: bool, state: _P
 
 def _return_input(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
+
+
+# Run eagerly under torch.compile: dynamo cannot trace setting and deleting a module's
+# forward; around these two graph breaks the model's forward compiles as one graph.
+@torch.compiler.disable
+def _bypass_head(head: torch.nn.Module):
+    """Make ``head`` the identity; return the instance forward it had (or None)."""
+    own_forward = head.__dict__.get("forward")
+    head.forward = _return_input
+    return own_forward
+
+
+@torch.compiler.disable
+def _restore_head(head: torch.nn.Module, own_forward) -> None:
+    if own_forward is None:
+        del head.forward
+    else:
+        head.forward = own_forward
 
 
 def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
@@ -292,15 +314,11 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
         return_dict = extra.pop("return_dict", None)
         if return_dict is None:  # as transformers' can_return_tuple decides it
             return_dict = getattr(model.config, "return_dict", True)
-        own_forward = head.__dict__.get("forward")
-        head.forward = _return_input
+        own_forward = _bypass_head(head)
         try:
             output = original(**arguments, **extra, return_dict=True)
         finally:
-            if own_forward is None:
-                del head.forward
-            else:
-                head.forward = own_forward
+            _restore_head(head, own_forward)
         fields = {name: value for name, value in output.items() if name != "logits"}
         fields["loss"] = loss_function(output["logits"], head.weight, head.bias, labels, **extra)
         result = type(output)(**fields)

@@ -22,9 +22,9 @@ EXPECTED_BACKEND = "triton" if torch.cuda.is_available() else "interpreter"
 LAYERS = 2
 
 
-def _config(family: str, tied: bool = False):
+def _config(family: str, tied: bool = False, layers: int = LAYERS):
     common = dict(
-        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
         tie_word_embeddings=tied, attn_implementation="eager",
     )  # fmt: skip
@@ -39,9 +39,9 @@ CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen
 BASE = {"llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
 
 
-def _model(family: str = "llama", *, tied: bool = False, base: bool = False):
+def _model(family: str = "llama", *, tied: bool = False, base: bool = False, layers: int = LAYERS):
     torch.manual_seed(0)
-    model = getattr(transformers, (BASE if base else CAUSAL_LM)[family])(_config(family, tied))
+    model = getattr(transformers, (BASE if base else CAUSAL_LM)[family])(_config(family, tied, layers))
     with torch.no_grad():  # HF initialises RMSNorm weights to one; other weights are checked too
         for name, parameter in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
@@ -311,3 +311,19 @@ def test_unsupported_transformers_major_version_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="4.57.1"):
         lstrain.patch(model)
     assert "_lstrain_patch" not in model.__dict__ and not any(isinstance(m, RMSNorm) for m in model.modules())
+
+
+def test_attention_with_another_forward_is_left_alone(monkeypatch):
+    monkeypatch.setattr(lstrain.ops, "rope", _rope_stand_in([]), raising=False)
+    model = _model("llama")
+    attention = model.model.layers[1].self_attn
+    own = attention.forward
+
+    def forward(hidden_states, attention_mask=None, **kwargs):  # not transformers 5.x's argument order
+        return own(hidden_states, attention_mask=attention_mask, **kwargs)
+
+    attention.forward = forward
+    report = lstrain.patch(model)
+    assert [item.path for item in report.left_alone] == ["model.layers.1.self_attn"]
+    assert "its forward takes (hidden_states, attention_mask, kwargs)" in report.left_alone[0].reason
+    assert attention.forward is forward
