@@ -24,6 +24,9 @@ from lstrain.ops import rope_qkv
 
 __all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
 
+# scaled_dot_product_attention's enable_gqa (flash attention over fewer k/v heads) came in torch 2.5
+_SDPA_HAS_GQA = torch.__version__ >= "2.5"
+
 
 def rotary_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
@@ -202,14 +205,13 @@ class RotaryAttention(torch.nn.Module):
         rotary = rope_qkv if self.fused else rope_qkv_torch
         q, k, v = rotary(self.qkv_proj(x), cos, sin, self.heads, self.kv_heads)
         p = self.attn_dropout if self.training else 0.0
-        grouped = self.kv_heads != self.heads
-        if key_padding_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)
+        if self.kv_heads != self.heads and key_padding_mask is None and _SDPA_HAS_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
         else:
-            if grouped:  # SDPA's enable_gqa with a mask has only the math backend: repeat k/v instead
+            if self.kv_heads != self.heads:  # SDPA's GQA with a mask runs only its math backend: repeat k/v
                 k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-            mask = sdpa_mask(key_padding_mask, seq, True, q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            mask = None if key_padding_mask is None else sdpa_mask(key_padding_mask, seq, True, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
 
     def _sizes(self) -> tuple[int, int, int]:
