@@ -343,7 +343,7 @@ def _hf_patched(workload: Workload) -> torch.nn.Module:
     return model
 
 
-StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+StepFn = Callable[..., torch.Tensor]  # step(input_ids, labels, *masked) -> the detached loss
 
 
 def torch_step(model: torch.nn.Module, workload: Workload, device: torch.device, compiled: bool) -> StepFn:
@@ -367,7 +367,7 @@ def torch_step(model: torch.nn.Module, workload: Workload, device: torch.device,
     params = [p for group in optimizer.param_groups for p in group["params"]]
     forward = torch.compile(model) if compiled else model
 
-    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(input_ids: torch.Tensor, labels: torch.Tensor, *masked: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=workload.bf16 and not low_params):
             loss = forward(input_ids, labels=labels).loss
@@ -384,13 +384,15 @@ def lstrain_step(model: torch.nn.Module, workload: Workload, device: torch.devic
     the clip inside (fp32 master weights for 16-bit parameters), no autocast.
 
     Args:
-        model: lstrain's GPT-2; moved and cast here, before the optimizer flattens it.
+        model: lstrain's model; moved and cast here, before the optimizer flattens it.
         workload: the workload (its precision).
         device: where to train.
         compiled: run the forward through ``torch.compile(model)``.
 
     Returns:
-        ``step(input_ids, labels) -> loss`` (detached).
+        ``step(input_ids, labels, *masked) -> loss`` (detached); an MLM batch's
+        ``masked`` (its fixed masked positions and their labels) goes to BERT's
+        ``masked_positions`` path.
     """
     from lstrain.optim import FusedAdamW
 
@@ -398,9 +400,13 @@ def lstrain_step(model: torch.nn.Module, workload: Workload, device: torch.devic
     optimizer = FusedAdamW(_param_groups(model), lr=LR, max_grad_norm=MAX_NORM)
     forward = torch.compile(model) if compiled else model
 
-    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(input_ids: torch.Tensor, labels: torch.Tensor, *masked: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()  # in place: the gradients stay views of the flat buffers
-        loss = forward(input_ids, labels=labels).loss
+        if masked:  # BERT: the fixed-size masked positions (a static shape: capturable)
+            positions, masked_labels = masked
+            loss = forward(input_ids, labels=masked_labels, masked_positions=positions).loss
+        else:
+            loss = forward(input_ids, labels=labels).loss
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -530,7 +536,7 @@ class StepClock:
         return [a.elapsed_time(b) for a, b in pairs] if self.cuda else [1e3 * (b - a) for a, b in pairs]
 
 
-def make_batches(workload: Workload, count: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(workload: Workload, count: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """``count`` batches of uniform random tokens, the same for every variant (fixed seed).
 
     Args:
@@ -540,16 +546,23 @@ def make_batches(workload: Workload, count: int, device: torch.device) -> list[t
 
     Returns:
         ``(input_ids, labels)`` pairs, ``[batch, seq]`` int64; the labels are a copy of
-        the inputs (the model shifts them, as Hugging Face's do), or for an MLM workload
-        the tokens at a random ``masked`` share of positions and -100 elsewhere (the
-        inputs are left unmasked: the kernels do the same work either way).
+        the inputs (the model shifts them, as Hugging Face's do). An MLM workload's
+        batches are ``(input_ids, labels, masked_positions, masked_labels)``: a fixed
+        ``round(masked * seq)`` random positions per sequence (BERT's
+        ``max_predictions_per_seq``, all of them real), their tokens as ``masked_labels``,
+        and ``labels`` the same in HF's ``[batch, seq]`` form (-100 elsewhere); the inputs
+        are left unmasked: the kernels do the same work either way.
     """
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, workload.vocab_size, (count, workload.batch, workload.seq), generator=generator)
     if workload.masked:
-        labelled = torch.rand(tokens.shape, generator=generator) < workload.masked
-        labels = tokens.masked_fill(~labelled, -100)
-        return list(zip(tokens.to(device).unbind(0), labels.to(device).unbind(0), strict=True))
+        predictions = round(workload.masked * workload.seq)
+        order = torch.rand(tokens.shape, generator=generator).argsort(dim=-1)
+        positions = order[..., :predictions].sort(dim=-1).values
+        masked_labels = tokens.gather(-1, positions)
+        labels = torch.full_like(tokens, -100).scatter_(-1, positions, masked_labels)
+        parts = (tokens, labels, positions, masked_labels)
+        return list(zip(*(part.to(device).unbind(0) for part in parts), strict=True))
     tokens = tokens.to(device)
     # labels a tensor of their own: an input aliasing another would be a guard (and a
     # special case) for torch.compile that no real data loader produces

@@ -94,9 +94,10 @@ def test_llama_and_bert_workloads_are_the_issues():
     # the MLM head (transform + LayerNorm + decoder) runs on the masked rows only
     head = 6 * (1024**2 + 3 * 1024 + 30522 * 1024)
     assert bert.flops_per_token == pytest.approx(6 * bert.flop_params + 12 * 24 * 512 * 1024 + 0.15 * head)
-    ids, labels = e2e.make_batches(dataclasses.replace(bert, batch=4, seq=256), 1, CPU)[0]
-    share = (labels != -100).float().mean().item()
-    assert 0.1 < share < 0.2 and torch.equal(labels[labels != -100], ids[labels != -100])
+    ids, labels, positions, masked_labels = e2e.make_batches(dataclasses.replace(bert, batch=4, seq=256), 1, CPU)[0]
+    assert positions.shape == masked_labels.shape == (4, 38)  # round(0.15 x 256) per sequence
+    assert int((labels != -100).sum()) == 4 * 38 and torch.equal(ids.gather(1, positions), masked_labels)
+    assert torch.equal(labels.gather(1, positions), masked_labels)
 
 
 class _Output:
@@ -380,3 +381,24 @@ def test_tiny_profile_writes_the_tables_and_no_json(tmp_path):
     text = (tmp_path / "profile-tiny-torch-eager.txt").read_text()
     assert text.startswith("tiny GPT-2") and "Self CPU" in text
     assert not (tmp_path / "e2e.json").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_each_family_s_models_take_a_step(family):
+    """Shrunk to a few thousand parameters: lstrain's fused model and its twin, and HF's
+    model (patched by lstrain too), each take a step on the workload's batches."""
+    pytest.importorskip("transformers")
+    base = {"gpt2": "gpt2-small", "llama": "llama-0.75b", "bert": "bert-large"}[family]
+    tiny = dataclasses.replace(
+        e2e.WORKLOADS[base], n_layer=1, n_embd=32, n_head=2, n_kv_head=1 if family == "llama" else None,
+        n_inner=64, vocab_size=101, seq=16, batch=2, bf16=False,
+    )  # fmt: skip
+    batch = e2e.make_batches(tiny, 1, CPU)[0]
+    steps = [
+        e2e.lstrain_step(e2e._lstrain_model(tiny, fused=True), tiny, CPU, compiled=False),
+        e2e.torch_step(e2e._lstrain_model(tiny, fused=False), tiny, CPU, compiled=False),
+        e2e.torch_step(e2e._hf_model(tiny), tiny, CPU, compiled=False),
+        e2e.torch_step(e2e._hf_patched(tiny), tiny, CPU, compiled=False),
+    ]
+    losses = [float(step(*batch)) for step in steps]
+    assert all(abs(loss - math.log(101)) < 1.0 for loss in losses), losses
