@@ -312,6 +312,7 @@ class Llama(torch.nn.Module):
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
+        position_ids: torch.Tensor | None = None,
         check_ids: bool | None = None,
     ) -> LlamaOutput:
         """Next-token logits, or with ``labels`` the language-modelling loss.
@@ -325,10 +326,13 @@ class Llama(torch.nn.Module):
             attention_mask: optional ``[batch, seq]``, 1 (or True) for tokens to attend
                 to, 0 for padding, as in HF. Positions are 0..seq-1 whatever the mask (as
                 HF's forward without position_ids).
+            position_ids: optional ``[batch, seq]`` or ``[1, seq]`` integer positions of the
+                tokens, as HF's (e.g. counted from each row's first real token under left
+                padding); default 0..seq-1. They set RoPE's angles only, not the mask.
             check_ids: check that input_ids and labels lie in the vocabulary (labels may
-                also be -100). The check reads the ids on the host, so it defaults to on
-                for CPU tensors only and never runs under torch.compile; on CUDA pass
-                True to pay for the sync.
+                also be -100) and position_ids in [0, max_position_embeddings). The check
+                reads them on the host, so it defaults to on for CPU tensors only and never
+                runs under torch.compile; on CUDA pass True to pay for the sync.
 
         Returns:
             A :class:`LlamaOutput`: ``loss`` with labels; ``logits`` without them (and with
@@ -337,17 +341,18 @@ class Llama(torch.nn.Module):
         Raises:
             ValueError: input_ids not a 2-D integer tensor or longer than
                 max_position_embeddings, labels or attention_mask not shaped like
-                input_ids, or (when checked) an id outside the vocabulary; the message
-                names the argument.
+                input_ids, position_ids of another shape or not integers, or (when
+                checked) an id outside the vocabulary or a position outside the table; the
+                message names the argument.
         """
-        self._check_inputs(input_ids, labels, attention_mask, check_ids)
+        self._check_inputs(input_ids, labels, attention_mask, check_ids, position_ids)
         key_padding_mask = None if attention_mask is None else attention_mask == 0
         embed = self.model["embed_tokens"]
         if self.config.fused:  # ids were checked (or deliberately not) above
             x = embedding(input_ids, embed.weight, training=self.training, check_ids=False)
         else:
             x = embed(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
         # rounded to the model's dtype as HF does; fp32 for the fused kernel, which computes in fp32
         table_dtype = torch.promote_types(x.dtype, torch.float32) if self.config.fused else x.dtype
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, table_dtype)
@@ -371,7 +376,7 @@ class Llama(torch.nn.Module):
         loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
         return LlamaOutput(loss=loss, logits=logits)
 
-    def _check_inputs(self, input_ids, labels, attention_mask, check_ids: bool | None) -> None:
+    def _check_inputs(self, input_ids, labels, attention_mask, check_ids: bool | None, position_ids=None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"Llama: input_ids must be [batch, seq] int64 or int32, got shape {tuple(input_ids.shape)} "
@@ -387,6 +392,16 @@ class Llama(torch.nn.Module):
                 )
         if labels is not None and labels.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"Llama: labels must be int64 or int32, got {labels.dtype}")
+        if position_ids is not None and (
+            position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, input_ids.shape[0])
+            or position_ids.shape[1] != seq
+            or position_ids.dtype not in (torch.int64, torch.int32)
+        ):
+            raise ValueError(
+                f"Llama: position_ids must be [batch or 1, seq] = {tuple(input_ids.shape)} int64 or int32, got shape "
+                f"{tuple(position_ids.shape)} {position_ids.dtype}"
+            )
         if check_ids is None:
             check_ids = input_ids.device.type == "cpu"
         if not check_ids or torch.compiler.is_compiling():
@@ -401,6 +416,14 @@ class Llama(torch.nn.Module):
             if bad.any():
                 index = tuple(int(i) for i in bad.nonzero()[0])
                 raise ValueError(f"Llama: {name} {int(ids[index])} at {index} is outside the vocabulary [0, {vocab})")
+        if position_ids is not None:
+            bad = (position_ids < 0) | (position_ids >= limit)
+            if bad.any():
+                index = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(
+                    f"Llama: position_ids {int(position_ids[index])} at {index} is outside [0, {limit}) "
+                    "(max_position_embeddings)"
+                )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device=None, dtype=None, **overrides) -> Llama:

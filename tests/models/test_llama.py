@@ -221,6 +221,9 @@ def test_bad_input_is_named():
         (ids, {"labels": torch.full_like(ids, 200)}, "labels 200 at"),
         (ids, {"labels": ids.float()}, "labels must be int64"),
         (ids, {"attention_mask": torch.ones(2, 9, device=DEVICE)}, "attention_mask must be shaped like"),
+        (ids, {"position_ids": torch.arange(9, device=DEVICE)[None]}, "position_ids must be"),
+        (ids, {"position_ids": torch.arange(8.0, device=DEVICE)[None]}, "position_ids must be"),
+        (ids, {"position_ids": torch.arange(8, device=DEVICE)[None] + 9}, r"position_ids 16 at \(0, 7\) is outside"),
     ]
     for input_ids, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

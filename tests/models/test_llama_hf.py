@@ -83,6 +83,26 @@ def test_from_pretrained_matches_hugging_face(hf_dir, fused, attn_implementation
         torch.testing.assert_close(ours[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_position_ids_match_hugging_face(fused):
+    """Left padding with positions counted from each row's first token, as HF's generate does."""
+    hf = _hf_model(tie_word_embeddings=False)
+    model = Llama(LlamaConfig(**SHAPE, rope_theta=THETA, fused=fused), device=DEVICE)
+    model.load_state_dict(hf.state_dict())
+    ids, labels, mask = _inputs()
+    mask[1] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask, position_ids=positions, labels=labels)
+        out = model.eval()(ids, attention_mask=mask, position_ids=positions)
+        loss = model(ids, labels=labels, attention_mask=mask, position_ids=positions).loss
+        shared = model(ids, position_ids=torch.arange(12, device=DEVICE)[None] + 3).logits  # [1, seq]
+    keep = mask.bool()
+    torch.testing.assert_close(out.logits[keep], expected.logits[keep])
+    torch.testing.assert_close(loss, expected.loss)
+    torch.testing.assert_close(shared, hf(ids, position_ids=torch.arange(12, device=DEVICE)[None] + 3).logits)
+
+
 def test_load_state_dict_of_a_hugging_face_model():
     hf = _hf_model(tie_word_embeddings=False)
     model = Llama(LlamaConfig(**SHAPE, rope_theta=THETA), device=DEVICE)
