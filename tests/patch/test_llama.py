@@ -26,8 +26,9 @@ def _config(family: str, tied: bool = False, layers: int = LAYERS):
     common = dict(
         num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, attn_implementation="eager",
+        tie_word_embeddings=tied, attn_implementation="eager" if family == "llama" else "sdpa",
     )  # fmt: skip
+    # LLaMA with eager attention; Mistral and Qwen2 with transformers' default, SDPA.
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "mistral":  # a window shorter than the batch's 12 tokens: the sliding mask is used
@@ -327,3 +328,29 @@ def test_attention_with_another_forward_is_left_alone(monkeypatch):
     assert [item.path for item in report.left_alone] == ["model.layers.1.self_attn"]
     assert "its forward takes (hidden_states, attention_mask, kwargs)" in report.left_alone[0].reason
     assert attention.forward is forward
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swapped_rms_norm_meets_the_tolerance_rule_against_hf_in_low_precision(dtype):
+    # HF rounds x * rstd to the input dtype before the weight multiply, lstrain rounds once:
+    # the kernel's error against fp64 must be within 2x HF's own low-precision error.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from lstrain.testing.compare import assert_all_passed, check_function
+
+    hf_norm = LlamaRMSNorm(96, eps=1e-5).to(DEVICE)
+    model_norm = instance._shared_rms_norm(hf_norm)
+
+    def ours(x, weight):
+        return torch.func.functional_call(model_norm, {"weight": weight}, (x,))
+
+    def hf(x, weight):
+        return torch.func.functional_call(hf_norm, {"weight": weight}, (x,))
+
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 7, 96, generator=generator) * 3 + 1).to(DEVICE, dtype)
+    weight = (torch.randn(96, generator=generator) * 0.5 + 1).to(DEVICE, dtype)
+    with _backend.record_backends() as ran:
+        comparisons = check_function(ours, hf, {"x": x, "weight": weight}, generator=generator)
+    assert {op for op, _ in ran} == {"rms_norm"} and {b for _, b in ran} == {EXPECTED_BACKEND}
+    assert_all_passed(comparisons, f"lstrain RMSNorm vs HF LlamaRMSNorm in {dtype}")

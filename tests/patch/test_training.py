@@ -80,10 +80,12 @@ def test_hf_trainer_with_gradient_accumulation_matches_unpatched(tmp_path, monke
     torch.testing.assert_close(torch.stack(got.losses), torch.stack(expected.losses), **TOLERANCE)
     logged = [[entry["loss"] for entry in t.state.log_history if "loss" in entry] for t in (got, expected)]
     assert len(logged[0]) == 3 and logged[0] == pytest.approx(logged[1], rel=1e-4)
-    # Adam's updates carry the gradients' differences into the weights: a looser bound.
+    # Adam divides each gradient by its own magnitude, so a gradient entry near Adam's eps
+    # moves its weight by up to lr: the weights get an absolute bound of lr / 10. (Adam does
+    # not see a wrong num_items_in_batch, a constant factor: the losses above do.)
     weights = dict(reference.named_parameters())
     for name, parameter in model.named_parameters():
-        torch.testing.assert_close(parameter, weights[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(parameter, weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_gradient_checkpointing_matches_unpatched():
