@@ -135,6 +135,33 @@ def test_save_pretrained_is_read_by_hugging_face(hf_dir, tmp_path):
         assert torch.equal(a.cpu(), b), name
 
 
+def test_tiny_llama_config_is_the_llama_1b_preset():
+    # TinyLlama-1.1B's config.json as published (transformers 4.31's spelling)
+    tiny_llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 2048,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 22,
+        "num_key_value_heads": 4,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "transformers_version": "4.31.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    }
+    assert LlamaConfig.from_hf_dict(tiny_llama) == LlamaConfig.llama_1b()
+
+
 def test_transformers_4_config_spelling_loads():
     hf = {**SHAPE, "model_type": "llama", "rope_theta": 1234.0, "rope_scaling": None, "torch_dtype": "bfloat16"}
     config = LlamaConfig.from_hf_dict(hf, fused=False)
