@@ -61,16 +61,11 @@ def _global_rank(process_group, group_rank: int) -> int:
 
 
 def broadcast_flat(flat: FlatParameters, src: int, process_group=None) -> None:
-    """Overwrite every rank's parameters with rank ``src``'s (one broadcast per flat buffer).
-
-    The parameters are written with ``copy_``, so a flat optimizer over them sees the write
-    and re-seeds its fp32 master weights at its next step.
-    """
+    """Overwrite every rank's parameters with rank ``src``'s (one broadcast per flat buffer,
+    in place). A flat optimizer's fp32 master weights must then be re-seeded by the caller:
+    a write into the buffer does not bump the parameters' version counters."""
     for buffer in flat.buffers:
-        received = buffer.data.clone()
-        dist.broadcast(received, src=_global_rank(process_group, src), group=process_group)
-        with torch.no_grad():
-            buffer.data.copy_(received)
+        dist.broadcast(buffer.data, src=_global_rank(process_group, src), group=process_group)
 
 
 @dataclass
@@ -148,6 +143,10 @@ class DataParallel:
         self._build(flat)
         if broadcast_from is not None:
             broadcast_flat(flat, broadcast_from, process_group)
+            if self.optimizer is not None:
+                for master, buffer in zip(self.optimizer._masters, flat.buffers, strict=True):
+                    if master is not None:
+                        master.copy_(buffer.data)
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
             self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))

@@ -94,7 +94,9 @@ class ZeroAdamW(FusedAdamW):
         )  # fmt: skip
         if broadcast_from is not None:
             broadcast_flat(self.flat, broadcast_from, process_group)
-            self._reseed_changed()
+            for master, buffer, (start, end) in zip(self._masters, self.flat.buffers, self.shards, strict=True):
+                if master is not None:
+                    master.copy_(buffer.data[start:end])
 
     # -- layout ------------------------------------------------------------------------
 

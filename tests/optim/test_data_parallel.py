@@ -77,6 +77,9 @@ def _train(rank, world, results):
 def _scaled(rank, results):
     """fp16 with the loss scaler: an inf on rank 0 alone makes every rank skip the step."""
     model = Net().half()
+    if rank > 0:
+        with torch.no_grad():
+            model.a.weight.add_(1.0)  # DataParallel starts every rank from rank 0's weights (and masters)
     optimizer = FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
     ddp = DataParallel(optimizer, bucket_mib=BUCKET_MIB)  # finish() runs in scaler.step's optimizer.step()
     results["scaled_buckets"] = ddp.num_buckets
@@ -93,6 +96,20 @@ def _scaled(rank, results):
         snapshots.append([p.detach().clone() for p in model.parameters()])
         scales.append(scaler.get_scale().item())
     results["scaled_snapshots"], results["scales"] = snapshots, scales
+
+
+def _plain(rank, results):
+    """Another optimizer over the flat buffers (the training loop's CPU path): finish() by hand."""
+    model = Net()
+    flat = FlatParameters([list(model.parameters())])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp = DataParallel(flat, bucket_mib=BUCKET_MIB)
+    for step in range(2):
+        flat.zero_grad()
+        model(batch(step, rank, 0), side=rank == 1).backward()
+        ddp.finish()
+        optimizer.step()
+    results["plain"] = [p.detach().clone() for p in model.parameters()]
 
 
 def _errors(rank, world, results):
@@ -125,6 +142,7 @@ def _worker(rank, world, init_file, out_dir, full):
     _train(rank, world, results)
     if full:
         _scaled(rank, results)
+        _plain(rank, results)
         _errors(rank, world, results)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -182,6 +200,10 @@ def test_buckets_overlap_backward_and_unused_parameters_complete(run):
         assert rank["overlapped"] == [0] * STEPS
 
 
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_loss_scaler_skip_and_clip_agree_across_ranks(run):
     world, ranks = run
     if world != 2:
@@ -191,8 +213,26 @@ def test_loss_scaler_skip_and_clip_agree_across_ranks(run):
     for a, b in zip(first["scaled_snapshots"], second["scaled_snapshots"], strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     before, skipped, after = first["scaled_snapshots"]
+    for got, start in zip(before, Net().half().parameters(), strict=True):  # from rank 0's weights
+        torch.testing.assert_close(got, start.detach(), rtol=0, atol=0.05)
     assert all(torch.equal(x, y) for x, y in zip(before, skipped, strict=True))  # the inf step changed nothing
     assert not torch.equal(skipped[2], after[2])  # a.weight trained on
+
+
+def test_flat_parameters_with_another_optimizer(run):
+    world, ranks = run
+    if world != 2:
+        pytest.skip("run with 2 processes")
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        for rank in range(world):
+            (model(batch(step, rank, 0), side=rank == 1) / world).backward()
+        optimizer.step()
+    assert _same(ranks[0]["plain"], ranks[1]["plain"])
+    for got, want in zip(ranks[0]["plain"], model.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)  # torch accumulates in another order
 
 
 def test_clear_errors(run):

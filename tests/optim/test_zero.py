@@ -120,6 +120,9 @@ def _train(rank, world, out, results, reference_path):
 def _scaled(rank, results):
     """fp16 (fp32 master shards) with the loss scaler: an inf on rank 0 alone skips the step everywhere."""
     model = _model(torch.float16)
+    if rank > 0:
+        with torch.no_grad():
+            model[4].weight.add_(1.0)  # in another rank's shard: all start from rank 0's weights and masters
     optimizer = ZeroAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
     results["fp16_state_numel"] = optimizer.state_numel()
     results["fp16_numels"] = [b.data.numel() for b in optimizer.flat.buffers]
@@ -246,6 +249,8 @@ def test_clip_and_loss_scaler_skip_agree_across_ranks(run):
     for r in ranks[1:]:
         assert all(_same(a, b) for a, b in zip(ranks[0]["scaled_snapshots"], r["scaled_snapshots"], strict=True))
     before, skipped, after = ranks[0]["scaled_snapshots"]
+    for got, start in zip(before, _params(_model(torch.float16)), strict=True):  # from rank 0's weights
+        torch.testing.assert_close(got, start, rtol=0, atol=0.05)
     assert _same(before, skipped)
     assert not _same(skipped, after)
     # the last step had no gradient for one parameter on rank 0: it stepped everywhere all the same
