@@ -137,7 +137,7 @@ def test_state_dict_has_hugging_face_keys_in_either_twin():
 def test_load_state_dict_packs_and_splits_exactly():
     fused, _ = twins()
     state = fused.state_dict()
-    state = {k: torch.randn_like(v) for k, v in state.items()}
+    state = {k: torch.randn_like(v).cpu() for k, v in state.items()}
     again = Llama(LlamaConfig(**TINY, fused=False))
     again.load_state_dict(state)
     for key, value in again.state_dict().items():
