@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,8 @@ _ROPE_ROUTE = "transformers' apply_rotary_pos_emb"
 SUPPORTED_TRANSFORMERS_MAJOR = 5
 # The names a KV cache goes by in the attention forwards of transformers 5.x.
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+# Where a module given an instance forward keeps the forward it wraps.
+_WRAPPED = "_lstrain_wrapped_forward"
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,22 @@ def _replace(model: torch.nn.Module, path: str, old: torch.nn.Module, new: torch
     state.report.swapped.append(Swapped(path, _type_name(old), _type_name(new)))
 
 
-def _set_forward(module: torch.nn.Module, forward, state: _PatchState) -> None:
+def _set_forward(module: torch.nn.Module, function, state: _PatchState) -> None:
+    """Give ``module`` the instance forward ``function(module, ...)``.
+
+    It is bound to the module (a method object) and finds the forward it wraps in the
+    module's own ``__dict__``, never in a closure: ``copy.deepcopy`` of a patched model then
+    gives a patched copy whose forwards run the copy's modules, not the original's.
+    """
     state.forwards.append((module, module.__dict__.get("forward")))
-    module.forward = forward
+    original = module.forward
+    module.__dict__[_WRAPPED] = original
+    signature = inspect.signature(original)
+    functools.update_wrapper(function, original, updated=())
+    del function.__wrapped__
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    function.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    module.forward = types.MethodType(function, module)
 
 
 def _shared_layer_norm(old: torch.nn.LayerNorm) -> LayerNorm:
@@ -181,20 +197,19 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
     ``config.use_cache`` is True) is in every 5.x release: ``update(k, v, layer_idx)``; a call
     with another cache (static, quantized: generation) runs the module's own forward.
     """
-    original = attention.forward
     # The forward's own named arguments (the cache, in some 5.x releases cache_position) are
     # not passed on to the attention function; the rest of its kwargs are.
-    own_arguments = [p.name for p in inspect.signature(original).parameters.values() if p.kind != p.VAR_KEYWORD][3:]
+    parameters = inspect.signature(attention.forward).parameters.values()
+    own_arguments = [p.name for p in parameters if p.kind != p.VAR_KEYWORD][3:]
     models_module = sys.modules[type(attention).__module__]
     eager = models_module.eager_attention_forward
     functions = models_module.ALL_ATTENTION_FUNCTIONS
     dynamic_cache = models_module.DynamicCache
 
-    @functools.wraps(original)
-    def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    def forward(attention, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
         if position_embeddings is None or (cache is not None and type(cache) is not dynamic_cache):
-            return original(hidden_states, position_embeddings, attention_mask, **kwargs)
+            return attention.__dict__[_WRAPPED](hidden_states, position_embeddings, attention_mask, **kwargs)
         for name in (*_CACHE_ARGUMENTS, *own_arguments):
             kwargs.pop(name, None)
         input_shape = hidden_states.shape[:-1]
@@ -295,14 +310,12 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
     so that the arguments, the base model's call and the output class stay transformers'
     own; what comes out as "logits" is the head's input, and the loss is computed from it.
     """
-    original = model.forward
-    signature = inspect.signature(original)
+    signature = inspect.signature(model.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    head = model.get_submodule(head_path)
     loss_function = LOSSES[loss_name]
 
-    @functools.wraps(original)
-    def forward(*args, return_logits: bool = False, **kwargs):
+    def forward(model, *args, return_logits: bool = False, **kwargs):
+        original = model.__dict__[_WRAPPED]
         arguments = signature.bind(*args, **kwargs).arguments
         labels = arguments.get("labels")
         logits_to_keep = arguments.get("logits_to_keep", 0)
@@ -314,6 +327,7 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
         return_dict = extra.pop("return_dict", None)
         if return_dict is None:  # as transformers' can_return_tuple decides it
             return_dict = getattr(model.config, "return_dict", True)
+        head = model.get_submodule(head_path)
         own_forward = _bypass_head(head)
         try:
             output = original(**arguments, **extra, return_dict=True)
@@ -434,6 +448,7 @@ def unpatch(model: torch.nn.Module) -> bool:
     for parent, name, old in reversed(state.modules):
         setattr(parent, name, old)
     for module, previous in reversed(state.forwards):
+        del module.__dict__[_WRAPPED]
         if previous is None:
             del module.forward
         else:

@@ -354,3 +354,24 @@ def test_swapped_rms_norm_meets_the_tolerance_rule_against_hf_in_low_precision(d
         comparisons = check_function(ours, hf, {"x": x, "weight": weight}, generator=generator)
     assert {op for op, _ in ran} == {"rms_norm"} and {b for _, b in ran} == {EXPECTED_BACKEND}
     assert_all_passed(comparisons, f"lstrain RMSNorm vs HF LlamaRMSNorm in {dtype}")
+
+
+def test_deepcopy_of_a_patched_model_runs_its_own_modules():
+    # As TRL's reference models and EMA copies are made: the copy's forwards must not call
+    # into the original's modules.
+    model = _model("llama")
+    lstrain.patch(model)
+    duplicate = copy.deepcopy(model)
+    attention = duplicate.model.layers[0].self_attn
+    assert duplicate.forward.__self__ is duplicate and attention.forward.__self__ is attention
+    input_ids, labels = _batch(False)
+    with torch.no_grad():
+        expected = model(input_ids=input_ids, labels=labels).loss
+        torch.testing.assert_close(duplicate(input_ids=input_ids, labels=labels).loss, expected, rtol=0, atol=0)
+        duplicate.lm_head.weight.zero_()
+        torch.testing.assert_close(
+            duplicate(input_ids=input_ids, labels=labels).loss, torch.tensor(VOCAB).log().to(DEVICE)
+        )
+        torch.testing.assert_close(model(input_ids=input_ids, labels=labels).loss, expected, rtol=0, atol=0)
+    assert lstrain.unpatch(duplicate) and "_lstrain_patch" in model.__dict__
+    assert all("forward" not in m.__dict__ for m in duplicate.modules())
