@@ -4,8 +4,8 @@ Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family'
 modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
 *same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
 untouched); for a model with an LM head, an instance attribute ``forward`` shadows the
-class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and, once
-``lstrain.ops.rope`` exists, each rotary attention module gets an instance ``forward`` that
+class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and, where
+``lstrain.ops.rope`` is importable, each rotary attention module gets an instance ``forward`` that
 rotates q and k through it. The class, every other instance of it and transformers' module
 functions are left as they were; ``unpatch`` puts the original modules back and removes
 (or restores) the instance ``forward`` attributes.
@@ -393,7 +393,8 @@ def patch(
         rms_norm: replace the family's RMSNorm modules (LlamaRMSNorm, ...) by
             ``lstrain.nn.RMSNorm``, sharing their weights.
         rope: rotate q and k of the family's attention modules through ``lstrain.ops.rope``
-            (once that op exists; until then the report lists them as left alone).
+            (where that op is importable; in a build without it the report lists them as
+            left alone, with the reason).
         cross_entropy: compute the LM-head loss without logits.
 
     Returns:
