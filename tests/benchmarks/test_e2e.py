@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from benchmarks import e2e, report
+from tests.conftest import DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -393,12 +394,13 @@ def test_each_family_s_models_take_a_step(family):
         e2e.WORKLOADS[base], n_layer=1, n_embd=32, n_head=2, n_kv_head=1 if family == "llama" else None,
         n_inner=64, vocab_size=101, seq=16, batch=2, bf16=False,
     )  # fmt: skip
-    batch = e2e.make_batches(tiny, 1, CPU)[0]
+    device = torch.device(DEVICE)  # the fused kernels: the GPU's, or the CPU's interpreter
+    batch = e2e.make_batches(tiny, 1, device)[0]
     steps = [
-        e2e.lstrain_step(e2e._lstrain_model(tiny, fused=True), tiny, CPU, compiled=False),
-        e2e.torch_step(e2e._lstrain_model(tiny, fused=False), tiny, CPU, compiled=False),
-        e2e.torch_step(e2e._hf_model(tiny), tiny, CPU, compiled=False),
-        e2e.torch_step(e2e._hf_patched(tiny), tiny, CPU, compiled=False),
+        e2e.lstrain_step(e2e._lstrain_model(tiny, fused=True), tiny, device, compiled=False),
+        e2e.torch_step(e2e._lstrain_model(tiny, fused=False), tiny, device, compiled=False),
+        e2e.torch_step(e2e._hf_model(tiny), tiny, device, compiled=False),
+        e2e.torch_step(e2e._hf_patched(tiny), tiny, device, compiled=False),
     ]
     losses = [float(step(*batch)) for step in steps]
     assert all(abs(loss - math.log(101)) < 1.0 for loss in losses), losses
