@@ -4,8 +4,8 @@ An entry says everything the loop needs that differs between families: the Confi
 and the model class (with ``from_pretrained`` / ``save_pretrained``), the presets, which
 fields come from the tokenizer, whether the data is causal LM or masked LM, the longest
 sequence, how the model's inputs are taken from a data batch, the FLOPs of a token and
-whether a text sample can be generated. Adding a family (``llama``) is a Config dataclass
-and a model in :mod:`lstrain.models` plus one :class:`Family` in :data:`FAMILIES`.
+whether a text sample can be generated. Adding a family is a Config dataclass and a model in
+:mod:`lstrain.models` plus one :class:`Family` in :data:`FAMILIES`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lstrain.models import GPT2, BertConfig, BertForMaskedLM, GPT2Config
+from lstrain.models import GPT2, BertConfig, BertForMaskedLM, GPT2Config, Llama, LlamaConfig
 
 __all__ = ["FAMILIES", "Family"]
 
@@ -108,6 +108,18 @@ def _bert_inputs(batch: Batch) -> Batch:
     return out
 
 
+def _llama_flops(config: LlamaConfig, seq_len: int, data) -> float:
+    """``benchmarks/e2e.py``'s count: ``6 N + 12 L T D``, N the attention (q, o and the
+    grouped k, v), the SwiGLU MLP's three matrices, the RMSNorms and the LM head."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = config.head_dim or d // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = (config.num_key_value_heads or config.num_attention_heads) * head_dim
+    per_layer = 2 * d * q + 2 * d * kv + 3 * d * config.intermediate_size + 2 * d
+    params = layers * per_layer + d + config.vocab_size * d
+    return 6 * params + 12 * layers * seq_len * d
+
+
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         name="gpt2",
@@ -136,5 +148,19 @@ FAMILIES: dict[str, Family] = {
         inputs=_bert_inputs,
         flops_per_token=_bert_flops,
         generates=False,
+    ),
+    "llama": Family(
+        name="llama",
+        label="LLaMA",
+        config_cls=LlamaConfig,
+        model_cls=Llama,
+        presets=("llama_0_75b", "llama_1b"),
+        mlm=False,
+        tokenizer_fields=lambda vocab_size, pad_id: {"vocab_size": vocab_size},
+        positions_field="max_position_embeddings",
+        shape_fields=("num_hidden_layers", "hidden_size"),
+        inputs=_gpt2_inputs,  # causal LM: the same inputs, HF's label shift inside the model
+        flops_per_token=_llama_flops,
+        generates=True,
     ),
 }
