@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MAX_LINES = 300
+MAX_LINES = 400  # three model families, each with its e2e runs, beside the op tables
 OURS = "lstrain"  # implementations whose name starts with it are lstrain's
 NOISE = 0.03  # relative GPU-time difference that --compare flags
 PROFILE_KERNELS = 12  # kernels of a profile the report shows
@@ -572,12 +572,17 @@ def render_train(runs: list[dict], e2e: list[dict]) -> list[str]:
 
     Args:
         runs: decoded train.json files.
-        e2e: the report's decoded e2e.json files, where the reference rows are looked up.
+        e2e: the report's decoded e2e.json files, where the reference rows are looked up
+            (the first run holding the row, in the order given).
 
     Returns:
         The section's lines.
     """
-    rows_of = {(r.get("workload"), r.get("variant")): r for data in e2e for r in parse_e2e(data)[1]}
+    rows_of: dict[tuple, tuple[dict, dict]] = {}  # the first e2e run holding the row: the order given
+    for data in e2e:
+        meta, rows = parse_e2e(data)
+        for r in rows:
+            rows_of.setdefault((r.get("workload"), r.get("variant")), (r, meta))
     lines = [
         "## Training runs (`python -m benchmarks.train_run`)",
         "",
@@ -590,8 +595,9 @@ def render_train(runs: list[dict], e2e: list[dict]) -> list[str]:
         when = meta.get("date", "?") + (f", commit `{meta['commit']}`" if meta.get("commit") else "")
         lines += ["", f"- Run: {meta.get('device', '?')}, {when}; torch {meta.get('torch', '?')}, triton "
                   f"{meta.get('triton', '?')}; `{meta.get('command', '?')}`"]  # fmt: skip
-        reference = rows_of.get(tuple((meta.get("e2e_ref") or "/").split("/", 1)))
-        ref_speed = _num(reference.get("tokens_per_s")) if reference else None
+        reference, ref_meta = rows_of.get(tuple((meta.get("e2e_ref") or "/").split("/", 1)), ({}, {}))
+        ref_speed = _num(reference.get("tokens_per_s"))
+        ref_name = f"{meta.get('e2e_ref')}" + (f" at `{ref_meta['commit']}`" if ref_meta.get("commit") else "")
         lines += ["", "| variant | exit | steps | loss first -> last | tokens/s | memory MiB | vs e2e |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for run in data.get("runs", []):
@@ -602,7 +608,7 @@ def render_train(runs: list[dict], e2e: list[dict]) -> list[str]:
             versus = ""
             if speed and ref_speed:
                 ratio = speed / ref_speed
-                versus = f"{ratio:.3f} of {meta['e2e_ref']} ({'within' if abs(ratio - 1) <= 0.05 else 'beyond'} 5%)"
+                versus = f"{ratio:.3f} of {ref_name} ({'within' if abs(ratio - 1) <= 0.05 else 'beyond'} 5%)"
             cells = [
                 f"`{run.get('name', '?')}`",
                 str(run.get("returncode")),

@@ -204,7 +204,7 @@ def test_main_writes_the_report_and_refuses_one_over_the_limit(tmp_path, capsys)
     results.write_text(json.dumps(many))
     out.unlink()
     assert report.main([str(results), "--out", str(out)]) == 1
-    assert not out.exists() and "more than 300" in capsys.readouterr().err
+    assert not out.exists() and f"more than {report.MAX_LINES}" in capsys.readouterr().err
 
 
 def test_compare_flags_differences_beyond_the_threshold():
