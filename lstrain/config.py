@@ -3,7 +3,7 @@
 ``load_recipe("recipes/gpt2-tiny.toml", ["training.steps=100"])`` returns a
 :class:`lstrain.train.RunConfig`: ``[model]`` into :class:`lstrain.train.ModelConfig` (the
 model's family name, a preset, and the family's config fields: ``GPT2Config``'s for
-``name = "gpt2"``, ``BertConfig``'s for ``"bert"``), ``[data]`` into
+``name = "gpt2"``, ``BertConfig``'s for ``"bert"``, ``LlamaConfig``'s for ``"llama"``), ``[data]`` into
 ``lstrain.data.DataConfig``, and ``[training]``, ``[optimizer]``, ``[lr_scheduler]``,
 ``[checkpoint]``, ``[metrics]``, ``[eval]``, ``[sample]`` into the training loop's configs.
 Every key is checked against its dataclass's fields: an unknown key is an error that names

@@ -40,8 +40,8 @@ def test_a_bert_model_section_takes_bert_config_fields():
         parse_recipe({"model": {"name": "bert", "n_layer": 2}})
     with pytest.raises(RecipeError, match="preset must be one of base, large; got 'medium'"):
         parse_recipe({"model": {"name": "bert", "preset": "medium"}})
-    with pytest.raises(RecipeError, match="name must be one of gpt2, bert; got 'llama'"):
-        parse_recipe({"model": {"name": "llama"}})
+    with pytest.raises(RecipeError, match="name must be one of gpt2, bert, llama; got 't5'"):
+        parse_recipe({"model": {"name": "t5"}})
     with pytest.raises(RecipeError, match="BertConfig: hidden_size"):
         parse_recipe({"model": {"name": "bert", "hidden_size": 30}})
     run = parse_recipe(

@@ -65,6 +65,9 @@ def rewind(objects: Sequence[Any], saved: tuple) -> None:
     Args:
         objects: the objects given to :func:`snapshot`, in the same order.
         saved: what it returned.
+
+    Raises:
+        ValueError: ``objects`` is not as long as the list ``saved`` was taken of.
     """
     states, cpu_rng, cuda_rng = saved
     pairs = list(zip(objects, states, strict=True))
@@ -205,7 +208,6 @@ class CapturedStep:
             raise RuntimeError("CapturedStep: CUDA graphs need a CUDA device, and none is available")
         leaves, self._spec = pytree.tree_flatten_with_path(batch)
         device = torch.device("cuda", torch.cuda.current_device())
-        self._paths = [path for path, _ in leaves]
         self._static = [
             value.detach().to(device, copy=True) if isinstance(value, torch.Tensor) else value for _, value in leaves
         ]

@@ -60,10 +60,11 @@ class ModelConfig:
 
     Args:
         name: the model family, a key of :data:`lstrain.train.families.FAMILIES`:
-            ``"gpt2"`` (``GPT2Config``) or ``"bert"`` (``BertConfig``, masked LM).
+            ``"gpt2"`` (``GPT2Config``), ``"bert"`` (``BertConfig``, masked LM) or ``"llama"``
+            (``LlamaConfig``).
         preset: one of the family's presets (GPT-2: ``"small"``, ``"medium"``, ``"large"``;
-            BERT: ``"base"``, ``"large"``); None gives the config's defaults (GPT-2 small's,
-            BERT-base's shape).
+            BERT: ``"base"``, ``"large"``; LLaMA: ``"llama_0_75b"``, ``"llama_1b"``); None
+            gives the config's defaults.
         fields: config fields set on top of the preset, e.g. ``{"n_layer": 4}``.
             ``vocab_size`` is not one of them: it comes from the data's tokenizer (and
             BERT's ``pad_token_id`` too, unless set here).
@@ -96,7 +97,7 @@ class ModelConfig:
             pad_id: the tokenizer's padding id (BERT's ``pad_token_id``), or None.
 
         Returns:
-            The family's config (``GPT2Config``, ``BertConfig``).
+            The family's config (``GPT2Config``, ``BertConfig``, ``LlamaConfig``).
 
         Raises:
             ValueError: a field out of range (the config's own message).

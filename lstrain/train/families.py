@@ -76,7 +76,8 @@ def _gpt2_flops(config: GPT2Config, seq_len: int, data) -> float:
     return 6 * params + 12 * config.n_layer * seq_len * d
 
 
-def _gpt2_inputs(batch: Batch) -> Batch:
+def _causal_lm_inputs(batch: Batch) -> Batch:
+    """A causal-LM batch's input ids and labels, and its attention mask where it has one."""
     out = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if "attention_mask" in batch:
         out["attention_mask"] = batch["attention_mask"]
@@ -131,7 +132,7 @@ FAMILIES: dict[str, Family] = {
         tokenizer_fields=lambda vocab_size, pad_id: {"vocab_size": vocab_size},
         positions_field="n_positions",
         shape_fields=("n_layer", "n_embd"),
-        inputs=_gpt2_inputs,
+        inputs=_causal_lm_inputs,
         flops_per_token=_gpt2_flops,
         generates=True,
     ),
@@ -159,7 +160,7 @@ FAMILIES: dict[str, Family] = {
         tokenizer_fields=lambda vocab_size, pad_id: {"vocab_size": vocab_size},
         positions_field="max_position_embeddings",
         shape_fields=("num_hidden_layers", "hidden_size"),
-        inputs=_gpt2_inputs,  # causal LM: the same inputs, HF's label shift inside the model
+        inputs=_causal_lm_inputs,  # HF's label shift is inside the model, as in GPT-2
         flops_per_token=_llama_flops,
         generates=True,
     ),

@@ -1,20 +1,12 @@
 """The training loop of ``lstrain train``: one process, or one rank of a ``torchrun`` job.
 
-The model family (GPT-2, BERT) comes from :data:`lstrain.train.families.FAMILIES`; the
+The model family (GPT-2, BERT, LLaMA) comes from :data:`lstrain.train.families.FAMILIES`; the
 loop itself knows no family: it builds the family's config and model, asks the data for
 causal or masked LM, takes the model's inputs from each batch through the family's entry,
 and saves HF checkpoints with the model's ``save_pretrained``.
 
-What has run: the eager loop on the CPU, in one process and as 2 gloo processes (the
-tests, and ``torchrun`` by hand), with FusedAdamW in the Triton interpreter (the tests) and
-with ``torch.optim.AdamW`` over the same flat buffers when the interpreter is off (the tiny
-recipe); ``torch.compile`` of the plain-PyTorch model on the CPU (a test). On an H200: bf16,
-fp16 with the loss scaler and fp32, ``torch.compile`` of the fused model and the captured
-step, each against the eager step (``tests/train/test_train.py::
-test_fused_gpu_runs_train_like_eager``, ``tests/train/test_capture.py``), and
-``recipes/gpt2-medium.toml`` for 40 steps eager and captured (the figures are in the
-recipe). Not run yet: NCCL (more than one GPU), and BERT on a GPU (its tests are marked
-``gpu``).
+Several ranks are tested with gloo processes on the CPU only: the NCCL path (more than
+one GPU) has not been run.
 """
 
 from __future__ import annotations
@@ -65,7 +57,8 @@ class Summary:
         eval_loss: the last validation loss, None without evaluation.
         losses: every step's training loss (rank 0's view: the mean over ranks), by step.
         checkpoint: the last checkpoint written, None if none.
-        sample: the generated text, None without ``[sample]`` (and for BERT).
+        sample: the generated text, None without ``[sample]`` (and for a family that does
+            not generate, such as BERT).
         model: the trained model (its parameters are views of the optimizer's flat buffers).
         tflops: model TFLOP/s over all ranks (``6 N + 12 L T D`` per token, N counting the
             LM head's GEMM, as ``benchmarks/e2e.py``; the family's ``flops_per_token``).
