@@ -27,10 +27,10 @@ __all__ = [
     "compare_to_reference",
 ]
 
-# Relative to the reference's largest magnitude (at least 1).
 # PyTorch's own error on a tensor this small is one draw of a wide distribution: take it
 # over more samples (check_function)
 SMALL_TENSOR, SMALL_TENSOR_DRAWS = 64, 12
+# Relative to the reference's largest magnitude (at least 1).
 DEFAULT_ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-10}
 
 
@@ -205,15 +205,11 @@ def check_function(
     them whose floating-point tensors are moved by a few ulp (x * (1 + 8 eps N(0, 1)),
     rounded to their dtype), each with its own upstream gradient, the reference run on
     each in both precisions. The largest error of a tensor of a few elements, or of a few
-    large ones, each a long sum, is one draw of a wide distribution; one lucky draw of
-    PyTorch's would fail an equally accurate kernel (a [1, 2] SwiGLU weight gradient
-    summed over 260 tokens: 7.6x PyTorch's error on 1 seed in 40, where even a correctly
-    rounded dh was 3.1x; a SwiGLU output row with a few elements of a near 21 in fp16:
-    4x, 1 case in 2500; a 1-element SwiGLU input gradient summed over 750 bf16 terms:
-    11.7x, where a correctly rounded emulation of the kernel reached 1400x on 1 seed in
-    300). So a check whose output or a differentiated input has fewer than
-    ``SMALL_TENSOR`` elements takes PyTorch's error over ``SMALL_TENSOR_DRAWS`` samples by
-    default. The kernel's error is judged on the given inputs only.
+    large ones, each a long sum, is one draw of a wide distribution, and one lucky draw of
+    PyTorch's would fail an equally accurate kernel; so a check whose output or a
+    differentiated input has fewer than ``SMALL_TENSOR`` elements takes PyTorch's error
+    over ``SMALL_TENSOR_DRAWS`` samples by default. The kernel's error is judged on the
+    given inputs only.
 
     Args:
         fn: the function under test, called with ``**inputs``; returns one tensor.
