@@ -170,9 +170,12 @@ def add_rms_norm(
 
     Raises:
         ValueError: as :func:`lstrain.ops.rms_norm` raises for ``x``, ``normalized_shape``,
-            ``weight`` and ``eps``; ``residual`` differs from ``x`` in shape, dtype or device.
+            ``weight`` and ``eps``; ``residual`` is not a tensor or differs from ``x`` in
+            shape, dtype or device.
     """
     shape, eps = rms_norm_arguments("add_rms_norm", x, normalized_shape, weight, eps)
+    if not isinstance(residual, torch.Tensor):
+        raise ValueError(f"add_rms_norm: residual must be a tensor, got {type(residual).__name__}")
     for what, ours, theirs in (
         ("shape", tuple(residual.shape), tuple(x.shape)),
         ("dtype", residual.dtype, x.dtype),

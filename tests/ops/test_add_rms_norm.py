@@ -140,6 +140,11 @@ def test_bad_input_names_the_argument(device, kwargs, match):
         add_rms_norm(x, residual, kwargs.get("normalized_shape", (16,)), weight, kwargs.get("eps"))
 
 
+def test_a_residual_that_is_not_a_tensor_is_named():
+    with pytest.raises(ValueError, match="add_rms_norm: residual must be a tensor, got list"):
+        add_rms_norm(torch.randn(4, 16), [0.0] * 16, 16)
+
+
 def test_backward_plan_counts_the_incoming_residual_gradient():
     a100 = 163 * 1024  # 8192 fp32 columns: two row tensors fit 3 stages there, three only 2
     assert rms_norm_bwd_plan(8192, 4, a100).num_stages == 3
