@@ -247,6 +247,16 @@ def _qkv_heads(qkv: torch.Tensor, first: int, count: int, head_dim: int) -> torc
     return cols.unflatten(-1, (count, head_dim)).transpose(1, 2)
 
 
+def _empty_dqkv(
+    dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None, num_heads: int, num_kv_heads: int
+) -> torch.Tensor:
+    """The packed gradient's buffer, [batch, seq, (num_heads + 2 * num_kv_heads) * head_dim],
+    shaped and typed from the first upstream gradient given."""
+    given = next(g for g in (dq, dk, dv) if g is not None)
+    batch, _, seq, head_dim = given.shape
+    return given.new_empty((batch, seq, (num_heads + 2 * num_kv_heads) * head_dim))
+
+
 def rope_qkv_fwd(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,9 +302,9 @@ def rope_qkv_bwd(
     Returns:
         d(qkv), contiguous, in the upstream gradients' dtype.
     """
-    given = next(g for g in (dq, dk, dv) if g is not None)
-    batch, _, seq, head_dim = given.shape
-    dqkv = given.new_empty((batch, seq, (num_heads + 2 * num_kv_heads) * head_dim))
+    dqkv = _empty_dqkv(dq, dk, dv, num_heads, num_kv_heads)
+    batch, seq, width = dqkv.shape
+    head_dim = width // (num_heads + 2 * num_kv_heads)
     cos, sin = _per_batch(cos, batch), _per_batch(sin, batch)
     for grad, first, count in ((dq, 0, num_heads), (dk, num_heads, num_kv_heads)):
         columns = _qkv_heads(dqkv, first, count, head_dim)
@@ -343,9 +353,7 @@ def rope_qkv_bwd_op(
     num_kv_heads: int,
     interleaved: bool,
 ) -> torch.Tensor:
-    given = next(g for g in (dq, dk, dv) if g is not None)
-    batch, _, seq, head_dim = given.shape
-    return given.new_empty((batch, seq, (num_heads + 2 * num_kv_heads) * head_dim))
+    return _empty_dqkv(dq, dk, dv, num_heads, num_kv_heads)
 
 
 class RopeFunction(torch.autograd.Function):
