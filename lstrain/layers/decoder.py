@@ -20,6 +20,18 @@ def add_norm(
 
     Under autocast the sublayer output ``x`` may be bf16 while the stream is fp32: the sum
     is then kept in the wider dtype, as torch's ``residual + x`` keeps it.
+
+    Args:
+        norm: the RMSNorm whose weight, eps and ``normalized_shape`` are used.
+        x: a sublayer's output, ``[*, *normalized_shape]``.
+        residual: the residual stream, shaped like ``x``.
+        fused: one :func:`lstrain.ops.add_rms_norm`, or an add and ``norm``.
+
+    Returns:
+        ``(normed, new_residual)``.
+
+    Raises:
+        ValueError: from :func:`lstrain.ops.add_rms_norm` (fused) for a bad input.
     """
     if not fused:
         residual = residual + x

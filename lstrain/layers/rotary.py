@@ -83,12 +83,14 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
         ValueError: x is not 4-D with an even head_dim, or cos / sin do not fit it.
     """
     if x.dim() != 4 or x.shape[-1] % 2:
-        raise ValueError(f"rope: x must be [batch, heads, seq, head_dim] with an even head_dim, got {tuple(x.shape)}")
+        raise ValueError(
+            f"rope_torch: x must be [batch, heads, seq, head_dim] with an even head_dim, got {tuple(x.shape)}"
+        )
     batch, _, seq, head_dim = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) not in ((seq, head_dim), (batch, seq, head_dim), (1, seq, head_dim)):
             raise ValueError(
-                f"rope: {name} must be [seq, head_dim] = {(seq, head_dim)} or [batch or 1, seq, head_dim], "
+                f"rope_torch: {name} must be [seq, head_dim] = {(seq, head_dim)} or [batch or 1, seq, head_dim], "
                 f"got {tuple(t.shape)}"
             )
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -124,15 +126,17 @@ def rope_qkv_torch(
         strided view of ``qkv``.
 
     Raises:
-        ValueError: qkv is not 3-D, its width is not a multiple of the head count, or the
-            head counts do not divide.
+        ValueError: qkv is not 3-D, its width is not a multiple of the head count, the
+            head counts do not divide, or cos / sin do not fit (as for :func:`rope_torch`).
     """
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"rope_qkv: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+        raise ValueError(
+            f"rope_qkv_torch: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+        )
     heads = num_heads + 2 * num_kv_heads
     if qkv.dim() != 3 or qkv.shape[-1] % heads:
         raise ValueError(
-            f"rope_qkv: qkv must be [batch, seq, (num_heads + 2 * num_kv_heads) * head_dim] with "
+            f"rope_qkv_torch: qkv must be [batch, seq, (num_heads + 2 * num_kv_heads) * head_dim] with "
             f"{heads} heads, got shape {tuple(qkv.shape)}"
         )
     batch, seq, width = qkv.shape

@@ -396,9 +396,9 @@ class BertForMaskedLM(torch.nn.Module):
                 torch.compile), and the loss is the mean over the labels that are not -100,
                 the same loss as ``labels`` over the whole sequence. Needs labels.
             check_ids: check that input_ids, token_type_ids and labels lie in their tables
-                (labels may also be -100) and masked_positions in [0, seq). The check reads the ids on the host, so it
-                defaults to on for CPU tensors only and never runs under torch.compile; on
-                CUDA pass True to pay for the sync. Unchecked bad ids on CUDA give NaN
+                (labels may also be -100) and masked_positions in [0, seq). The check reads
+                the ids on the host, so it defaults to on for CPU tensors only and never runs
+                under torch.compile; on CUDA pass True to pay for the sync. Unchecked bad ids on CUDA give NaN
                 rows (fused) or a device-side assert (unfused).
 
         Returns:
