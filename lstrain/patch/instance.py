@@ -4,9 +4,9 @@ Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family'
 modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
 *same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
 untouched); for a model with an LM head, an instance attribute ``forward`` shadows the
-class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and, where
-``lstrain.ops.rope`` is importable, each rotary attention module gets an instance ``forward`` that
-rotates q and k through it. The class, every other instance of it and transformers' module
+class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and each
+rotary attention module gets an instance ``forward`` that rotates q and k through
+``lstrain.ops.rope``. The class, every other instance of it and transformers' module
 functions are left as they were; ``unpatch`` puts the original modules back and removes
 (or restores) the instance ``forward`` attributes.
 
@@ -264,16 +264,13 @@ def _rope_reason(module: torch.nn.Module, sliding_window: str) -> str | None:
 
 def _route_rope(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
     report = state.report
-    rope = getattr(lstrain.ops, "rope", None)
+    rope = lstrain.ops.rope
     for path, module in model.named_modules():
         sliding_window = family.attentions.get(_type_name(module))
         if sliding_window is None:
             continue
         if not enabled:
             report.left_alone.append(LeftAlone(path, "rope=False"))
-        elif rope is None:
-            reason = "lstrain.ops.rope does not exist yet: transformers' apply_rotary_pos_emb rotates q and k"
-            report.left_alone.append(LeftAlone(path, reason))
         elif (reason := _rope_reason(module, sliding_window)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
@@ -393,8 +390,8 @@ def patch(
         rms_norm: replace the family's RMSNorm modules (LlamaRMSNorm, ...) by
             ``lstrain.nn.RMSNorm``, sharing their weights.
         rope: rotate q and k of the family's attention modules through ``lstrain.ops.rope``
-            (where that op is importable; in a build without it the report lists them as
-            left alone, with the reason).
+            (a module whose forward is not transformers 5.x's is left alone, with the
+            reason in the report).
         cross_entropy: compute the LM-head loss without logits.
 
     Returns:
