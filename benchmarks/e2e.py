@@ -359,7 +359,8 @@ def torch_step(model: torch.nn.Module, workload: Workload, device: torch.device,
         compiled: run the forward (and so the backward) through ``torch.compile(model)``.
 
     Returns:
-        ``step(input_ids, labels) -> loss`` (detached).
+        ``step(input_ids, labels, *masked) -> loss`` (detached); an MLM batch's ``masked``
+        is ignored: torch's and HF's models take the HF-form ``labels``.
     """
     low_params = workload.bf16 and workload.torch_bf16_params
     model.to(device, dtype=torch.bfloat16 if low_params else None).train()

@@ -154,6 +154,14 @@ def rope_plan(heads: int, seq: int, head_dim: int) -> RopePlan:
     flight to stream, few enough registers for 4 warps. Up to 8 heads share a program,
     so its cos and sin rows are read (from L2) once per 8 heads, not per head, which
     would read as many table bytes as head bytes; small heads or sequences get fewer rows.
+
+    Args:
+        heads: heads of the tensor rotated.
+        seq: its positions.
+        head_dim: its (even) head width.
+
+    Returns:
+        The :class:`RopePlan`.
     """
     block_half = triton.next_power_of_2(max(1, head_dim // 2))
     block_heads = min(8, triton.next_power_of_2(heads))
@@ -190,7 +198,14 @@ def _per_batch(table: torch.Tensor, batch: int) -> torch.Tensor:
 
 def dim_order(x: torch.Tensor) -> list[int]:
     """``x``'s dims from outermost to innermost in memory where ``x`` is dense (an HF
-    ``transpose(1, 2)`` of a projection: [0, 2, 1, 3]), else in order (contiguous)."""
+    ``transpose(1, 2)`` of a projection: [0, 2, 1, 3]), else in order (contiguous).
+
+    Args:
+        x: any tensor.
+
+    Returns:
+        A permutation of ``range(x.dim())``.
+    """
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
     expected, stride = [0] * x.dim(), 1
     for d in reversed(order):

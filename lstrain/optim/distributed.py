@@ -36,6 +36,14 @@ def check_process_group(name: str, device: torch.device, process_group) -> int:
     """The group's world size, after checking that the group exists and can reduce tensors on
     ``device`` (NCCL: the current CUDA device; gloo: the CPU or CUDA).
 
+    Args:
+        name: the caller, for the messages (``"DataParallel"``, ``"ZeroAdamW"``).
+        device: where the parameters are.
+        process_group: the group (None: the default group).
+
+    Returns:
+        The group's world size.
+
     Raises:
         RuntimeError: torch.distributed is not initialized.
         ValueError: the parameters' device does not suit the group's backend.
@@ -63,7 +71,13 @@ def _global_rank(process_group, group_rank: int) -> int:
 def broadcast_flat(flat: FlatParameters, src: int, process_group=None) -> None:
     """Overwrite every rank's parameters with rank ``src``'s (one broadcast per flat buffer,
     in place). A flat optimizer's fp32 master weights must then be re-seeded by the caller:
-    a write into the buffer does not bump the parameters' version counters."""
+    a write into the buffer does not bump the parameters' version counters.
+
+    Args:
+        flat: the flat parameters, the same layout on every rank.
+        src: the rank, within ``process_group``, whose values every rank takes.
+        process_group: the group (None: the default group).
+    """
     for buffer in flat.buffers:
         dist.broadcast(buffer.data, src=_global_rank(process_group, src), group=process_group)
 

@@ -351,6 +351,9 @@ class ZeroAdamW(FusedAdamW):
         state in torch's AdamW layout (``state_dict(gathered=True)``, FusedAdamW's or
         ``torch.optim.AdamW``'s, saved at any world size: each rank takes its shard).
 
+        Args:
+            state_dict: what :meth:`state_dict` returned, per rank or gathered.
+
         Raises:
             ValueError: per-rank shards saved at another world size or rank or over other
                 flat buffers (a clear message; save with ``gathered=True`` to change the

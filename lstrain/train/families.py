@@ -58,11 +58,25 @@ class Family:
     generates: bool
 
     def positions(self, config: Any) -> int:
-        """The longest sequence a model of ``config`` takes."""
+        """The longest sequence a model of ``config`` takes.
+
+        Args:
+            config: the family's config.
+
+        Returns:
+            ``config``'s ``positions_field``.
+        """
         return getattr(config, self.positions_field)
 
     def shape(self, config: Any) -> tuple[int, int]:
-        """(layers, width) of ``config``."""
+        """(layers, width) of ``config``, for messages.
+
+        Args:
+            config: the family's config.
+
+        Returns:
+            ``config``'s ``shape_fields``.
+        """
         return tuple(getattr(config, name) for name in self.shape_fields)
 
 
