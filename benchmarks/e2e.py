@@ -45,11 +45,12 @@ times tokens/s over the bf16 GEMM rate measured by the parent in the same run (a
 (torch.compile, Triton's JIT, the CUDA-graph capture), apart from the step time; the first and
 final losses (sane: finite and within 1 of ln V, uniform random tokens being unlearnable).
 
-Wall time on one H200 (estimated, not measured): 4-6 minutes per GPT-2 workload, nearly all of
-it process start-up, model construction and compilation (torch.compile 40-90 s for each of the
-three compiled variants, lstrain's Triton kernels once per cold cache); the 30 steps of a
-variant take seconds. A workload per command fits 10 minutes even with one variant running
-into the timeout (``--timeout``, 240 s); both workloads in one command take 8-12 minutes.
+Wall time on one H200, as measured (the runs in ``benchmarks/results/e2e*.json``): 15-35 s per
+eager or captured variant and 60-100 s per compiled one (its first step, torch.compile, 40-50
+s), nearly all of it process start-up, model construction and compilation; the timed steps
+take seconds. GPT-2 medium's five variants took 237 s in one command, LLaMA-0.75B's four
+131 s. A workload per command fits 10 minutes even with one variant running into the timeout
+(``--timeout``, 240 s).
 
 ``--profile VARIANT`` runs that variant alone and writes torch.profiler's tables of one more
 step after the timed ones to ``<out>/profile-<workload>-<variant>.txt``: the top 25 kernels by
