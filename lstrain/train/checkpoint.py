@@ -3,11 +3,12 @@
 A checkpoint is a directory ``<folder>/step-00000100/`` holding ``config.json`` and
 ``model.safetensors`` (the model's ``save_pretrained``: ``GPT2.from_pretrained`` and HF's
 ``GPT2LMHeadModel.from_pretrained`` load a GPT-2's, ``BertForMaskedLM.from_pretrained`` and
-HF's ``BertForMaskedLM.from_pretrained`` a BERT's) and ``trainer.pt``: the optimizer's, the
+HF's ``BertForMaskedLM.from_pretrained`` a BERT's, ``Llama.from_pretrained`` and HF's
+``LlamaForCausalLM.from_pretrained`` a LLaMA's) and ``trainer.pt``: the optimizer's, the
 loss scaler's and the schedule's state, the data position (the step, and the sequences per
-step and seq_len it counts in), the RNG states and the recipe. It is
-written into a temporary directory next to it, every file and the directory fsynced, then
-renamed into place: a crash or an error mid-write leaves the earlier checkpoints as they
+step and seq_len it counts in), the RNG states and the recipe. It is written into a
+temporary directory next to it, every file and the directory fsynced, then renamed into
+place: a crash or an error mid-write leaves the earlier checkpoints as they
 were and no ``step-*`` directory half written.
 """
 
