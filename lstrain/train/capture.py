@@ -298,6 +298,6 @@ class CapturedStep:
                     key = changed[0]
                     raise CaptureError(
                         f"CapturedStep: {name}'s param group {group} {key} changed from {before[key]!r} to "
-                        f"{after[key]!r} since the capture; torch's optimizers bake Python numbers into the "
+                        f"{after.get(key)!r} since the capture; torch's optimizers bake Python numbers into the "
                         f"graph: give {key} as a tensor (with capturable=True) or use lstrain.optim"
                     )
