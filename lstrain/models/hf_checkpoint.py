@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["config_from_hf", "config_to_hf", "read_checkpoint", "write_checkpoint"]
+__all__ = ["check_state_fits", "config_from_hf", "config_to_hf", "read_checkpoint", "write_checkpoint"]
 
 
 def config_from_hf(cls: type, hf: dict, model_type: str, fixed: dict, overrides: dict):
@@ -86,6 +86,27 @@ def read_checkpoint(path: str | Path, owner: str) -> tuple[dict, dict[str, torch
     for f in files:
         tensors.update(load_file(str(f)))
     return json.loads(config_file.read_text()), tensors
+
+
+def check_state_fits(owner: str, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Check that a checkpoint's tensors, under ``model``'s state_dict keys, fit ``model``.
+
+    Args:
+        owner: the loader, for the message (``"GPT2.from_pretrained"``).
+        model: the model the state is for.
+        state: the tensors by ``model``'s state_dict keys.
+
+    Raises:
+        ValueError: keys missing or unexpected, or tensors of another shape, all listed.
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    problems = [f"missing {sorted(expected.keys() - found.keys())}"] if expected.keys() - found.keys() else []
+    if found.keys() - expected.keys():
+        problems.append(f"unexpected {sorted(found.keys() - expected.keys())}")
+    problems += [f"{k} has shape {found[k]}, expected {s}" for k, s in expected.items() if k in found and found[k] != s]
+    if problems:
+        raise ValueError(f"{owner}: the checkpoint does not fit the config: {'; '.join(problems)}")
 
 
 def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -24,7 +24,13 @@ import torch.nn.functional as F
 
 import lstrain.nn
 from lstrain.layers import DecoderLayer, add_norm, rotary_cos_sin
-from lstrain.models.hf_checkpoint import config_from_hf, config_to_hf, read_checkpoint, write_checkpoint
+from lstrain.models.hf_checkpoint import (
+    check_state_fits,
+    config_from_hf,
+    config_to_hf,
+    read_checkpoint,
+    write_checkpoint,
+)
 from lstrain.ops import embedding, linear_cross_entropy
 
 __all__ = ["Llama", "LlamaConfig", "LlamaOutput"]
@@ -483,12 +489,5 @@ def _from_hf_tensors(tensors: dict[str, torch.Tensor], model: Llama) -> dict[str
             )
         if embed is not None:
             state["lm_head.weight"] = embed
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in state.items()}
-    problems = [f"missing {sorted(expected.keys() - found.keys())}"] if expected.keys() - found.keys() else []
-    if found.keys() - expected.keys():
-        problems.append(f"unexpected {sorted(found.keys() - expected.keys())}")
-    problems += [f"{k} has shape {found[k]}, expected {s}" for k, s in expected.items() if k in found and found[k] != s]
-    if problems:
-        raise ValueError(f"Llama.from_pretrained: the checkpoint does not fit the config: {'; '.join(problems)}")
+    check_state_fits("Llama.from_pretrained", model, state)
     return state
