@@ -53,7 +53,7 @@ def _model(family: str = "llama", *, tied: bool = False, base: bool = False, lay
 def _rope_stand_in(calls: list):
     """HF's rotate_half rotation in the layout ``lstrain.ops.rope`` takes: q or k ``[batch,
     heads, seq, head_dim]``, cos and sin ``[batch or 1, seq, head_dim]`` (HF's rotary embedding
-    gives a batch of 1 for the default position_ids), used until the op lands."""
+    gives a batch of 1 for the default position_ids), recording the shapes it is called with."""
 
     def rope(x, cos, sin, *, interleaved=False):
         assert not interleaved and x.dim() == 4 and cos.shape == sin.shape
@@ -148,7 +148,6 @@ def test_rope_routes_each_attention_through_the_op(monkeypatch, family, tied):
     assert all("forward" not in model.get_submodule(path).__dict__ for path in attentions)
 
 
-@pytest.mark.skipif(not hasattr(lstrain.ops, "rope"), reason="lstrain.ops.rope has not landed yet")
 def test_rope_op_matches_hf_rotary():
     reference = _model("llama")
     model = copy.deepcopy(reference)
