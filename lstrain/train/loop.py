@@ -11,6 +11,7 @@ one GPU) has not been run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lstrain import _backend
-from lstrain.optim import FlatParameters, FusedAdamW, LossScaler
+from lstrain.optim import DataParallel, FlatParameters, FusedAdamW, LossScaler
 from lstrain.train import checkpoint as ckpt
 from lstrain.train.capture import CapturedStep
 from lstrain.train.config import RunConfig, TrainingConfig
@@ -191,6 +192,8 @@ class _Stepper:
         self.scaler = LossScaler(device=world.device) if training.mixed_precision == "fp16" else None
         self.forward = torch.compile(model) if training.compile else model
         self.graph: CapturedStep | None = None
+        # data parallel: the flat gradient buffers all-reduced in buckets as backward fills them
+        self.ddp = DataParallel(self.optimizer if self.fused else self.flat) if world.size > 1 else None
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -217,13 +220,16 @@ class _Stepper:
         """
         self._zero_grad()
         total = torch.zeros((), dtype=torch.float32, device=self.world.device)
-        for batch in batches:
-            loss = self.forward(**batch).loss
-            scaled = loss / self.accumulation
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        for number, batch in enumerate(batches):
+            # only the last micro-batch's backward reduces (the buckets overlap it)
+            local = self.ddp is not None and number < len(batches) - 1
+            with self.ddp.no_sync() if local else contextlib.nullcontext():
+                loss = self.forward(**batch).loss
+                scaled = loss / self.accumulation
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach().float()
-        if self.world.size > 1:
-            self.flat.all_reduce_grads()
+        if self.ddp is not None:
+            self.ddp.finish()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -295,6 +301,11 @@ def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any,
         )
     if training.cuda_graphs and world.device.type != "cuda":
         raise ValueError("[training]: cuda_graphs needs CUDA (this run is on the CPU)")
+    if training.cuda_graphs and world.size > 1:
+        raise ValueError(
+            "[training]: cuda_graphs with more than one rank is not supported yet (the gradient buckets' "
+            "collectives are not captured); run data parallel eagerly"
+        )
     if training.cuda_graphs and training.compile:
         raise ValueError("[training]: compile and cuda_graphs together are not supported yet; choose one")
     if training.mixed_precision != "fp32" and world.device.type != "cuda":

@@ -172,3 +172,16 @@ def test_fused_gpu_runs_train_like_eager(tmp_path, mode, precision):
     assert losses[-1] < losses[0]
     for step, loss in eager.losses.items():
         assert other.losses[step] == pytest.approx(loss, rel=2e-2 if precision != "fp32" else 1e-4)
+
+
+def test_cuda_graphs_with_several_ranks_is_refused_before_any_step(tmp_path):
+    """DataParallel's bucket collectives are not captured: the check runs before any step
+    (and before any process group or GPU is touched)."""
+    from lstrain.train.families import FAMILIES
+    from lstrain.train.loop import _check_run, _World
+
+    run = micro_run(tmp_path, cuda_graphs=True)
+    world = _World(rank=0, size=2, device=torch.device("cuda"), initialized_here=False)
+    data = type("Data", (), {"mlm": False, "train": None})()
+    with pytest.raises(ValueError, match="cuda_graphs with more than one rank is not supported yet"):
+        _check_run(run, world, FAMILIES["gpt2"], run.model.build(259), data)
