@@ -153,18 +153,9 @@ class Workload:
     @property
     def flop_params(self) -> int:
         """N of ``6 N``: the non-embedding parameters plus the LM head's ``V x D`` (a GEMM,
-        tied to the token embedding or not). BERT's MLM head (transform and decoder) runs
-        on the masked rows only: it is counted in ``flops_per_token`` instead."""
-        d, layers = self.n_embd, self.n_layer
-        if self.family == "llama":
-            kv = (self.n_kv_head or self.n_head) * (d // self.n_head)
-            per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn + 2 * d  # q, o; k, v; gate, up, down; 2 norms
-            return layers * per_layer + d + self.vocab_size * d
-        # qkv 3d^2 + 3d, proj d^2 + d, MLP 2 d ffn + ffn + d, two LayerNorms 4d
-        per_layer = 4 * d * d + 2 * d * self.ffn + self.ffn + 9 * d
-        if self.family == "bert":
-            return layers * per_layer + 2 * d  # the embeddings' LayerNorm
-        return layers * per_layer + 2 * d + self.vocab_size * d
+        tied or not); BERT's MLM head runs on the masked rows only and is counted in
+        ``flops_per_token`` instead. ``lstrain train``'s count (its family table)."""
+        return self._family.flop_params(self.model_config())
 
     @property
     def ffn(self) -> int:
@@ -172,14 +163,25 @@ class Workload:
         return self.n_inner or 4 * self.n_embd
 
     @property
+    def predictions(self) -> int:
+        """Masked positions per sequence of an MLM workload (BERT's ``max_predictions_per_seq``)."""
+        return round(self.masked * self.seq)
+
+    @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: ``6 N + 12 L T D`` (PaLM's, attention's causal half not
-        halved), plus BERT's MLM head on its share of masked tokens."""
-        flops = 6 * self.flop_params + 12 * self.n_layer * self.seq * self.n_embd
-        if self.family == "bert":
-            d = self.n_embd
-            flops += self.masked * 6 * (d * d + d + 2 * d + self.vocab_size * d)
-        return flops
+        """Training FLOPs per token: ``6 N + 12 L T D``, plus BERT's MLM head on its masked
+        rows (``lstrain.train.families.Family.flops_per_token``)."""
+        return self._family.flops_per_token(self.model_config(), self.seq, self.predictions / self.seq)
+
+    @property
+    def _family(self):
+        from lstrain.train.families import FAMILIES
+
+        return FAMILIES[self.family]
+
+    def model_config(self):
+        """lstrain's config of the workload's model (its family's Config dataclass)."""
+        return self._family.config_cls(**self.config_fields())
 
     def config_fields(self) -> dict:
         """The model's fields under the family's Hugging Face config names (lstrain's are the same)."""
@@ -558,7 +560,7 @@ def make_batches(workload: Workload, count: int, device: torch.device) -> list[t
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, workload.vocab_size, (count, workload.batch, workload.seq), generator=generator)
     if workload.masked:
-        predictions = round(workload.masked * workload.seq)
+        predictions = workload.predictions
         order = torch.rand(tokens.shape, generator=generator).argsort(dim=-1)
         positions = order[..., :predictions].sort(dim=-1).values
         masked_labels = tokens.gather(-1, positions)

@@ -3,8 +3,9 @@
 An entry says everything the loop needs that differs between families: the Config dataclass
 and the model class (with ``from_pretrained`` / ``save_pretrained``), the presets, which
 fields come from the tokenizer, whether the data is causal LM or masked LM, the longest
-sequence, how the model's inputs are taken from a data batch, the FLOPs of a token and
-whether a text sample can be generated. Adding a family is a Config dataclass and a model in
+sequence, how the model's inputs are taken from a data batch, the FLOPs of a token (the one
+count ``benchmarks/e2e.py`` uses too) and whether a text sample can be generated. Adding a
+family is a Config dataclass and a model in
 :mod:`lstrain.models` plus one :class:`Family` in :data:`FAMILIES`.
 """
 
@@ -40,8 +41,11 @@ class Family:
         positions_field: the config field that bounds seq_len (the position table's rows).
         shape_fields: the config fields of (layers, width), for messages.
         inputs: a data batch (``TokenStream.batch``'s dict) -> the model's keyword arguments.
-        flops_per_token: (config, seq_len, data config) -> training FLOPs per token.
+        flop_params: config -> N of ``6 N``: the non-embedding parameters plus the LM head's
+            ``V x D`` (a GEMM, tied or not); BERT's MLM head is ``head_params`` instead.
         generates: whether ``[sample]`` can continue a prompt (causal families).
+        head_params: config -> the parameters of a head that runs on the labelled rows
+            only (BERT's MLM transform and decoder), or None.
     """
 
     name: str
@@ -54,8 +58,29 @@ class Family:
     positions_field: str
     shape_fields: tuple[str, str]
     inputs: Callable[[Batch], Batch]
-    flops_per_token: Callable[[Any, int, Any], float]
+    flop_params: Callable[[Any], int]
     generates: bool
+    head_params: Callable[[Any], int] | None = None
+
+    def flops_per_token(self, config: Any, seq_len: int, head_share: float = 0.0) -> float:
+        """Training FLOPs per token: ``6 N + 12 L T D`` (PaLM's; attention's causal half not
+        halved), plus ``6`` times the head's parameters on its share of the rows. The one
+        count MFU uses here and in ``benchmarks/e2e.py``.
+
+        Args:
+            config: the family's config.
+            seq_len: T.
+            head_share: the share of rows ``head_params``' head runs on (BERT's labelled
+                positions per sequence over ``seq_len``).
+
+        Returns:
+            FLOPs per token.
+        """
+        layers, width = self.shape(config)
+        flops = 6 * self.flop_params(config) + 12 * layers * seq_len * width
+        if self.head_params is not None:
+            flops += head_share * 6 * self.head_params(config)
+        return flops
 
     def positions(self, config: Any) -> int:
         """The longest sequence a model of ``config`` takes.
@@ -80,14 +105,11 @@ class Family:
         return tuple(getattr(config, name) for name in self.shape_fields)
 
 
-def _gpt2_flops(config: GPT2Config, seq_len: int, data) -> float:
-    """``6 N + 12 L T D``, N the non-embedding parameters plus the LM head's ``V x D`` (tied,
-    but a GEMM all the same): ``benchmarks/e2e.py``'s count."""
+def _gpt2_params(config: GPT2Config) -> int:
     d = config.n_embd
     inner = config.n_inner or 4 * d
     per_layer = 4 * d * d + 4 * d + 2 * d * inner + inner + d + 4 * d  # attention, MLP, two LayerNorms
-    params = config.n_layer * per_layer + 2 * d + config.vocab_size * d
-    return 6 * params + 12 * config.n_layer * seq_len * d
+    return config.n_layer * per_layer + 2 * d + config.vocab_size * d
 
 
 def _causal_lm_inputs(batch: Batch) -> Batch:
@@ -98,16 +120,14 @@ def _causal_lm_inputs(batch: Batch) -> Batch:
     return out
 
 
-def _bert_flops(config: BertConfig, seq_len: int, data) -> float:
-    """``benchmarks/e2e.py``'s count: ``6 N + 12 L T D`` over the encoder, plus the MLM head
-    (transform + decoder) on the share of rows it runs on: ``max_predictions_per_seq /
-    seq_len`` with fixed masked positions, else the masking probability."""
-    d, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    params = layers * (4 * d * d + 2 * d * ffn + ffn + 9 * d) + 2 * d
-    predictions = getattr(data, "max_predictions_per_seq", None)
-    share = min(predictions / seq_len, 1.0) if predictions else getattr(data, "mlm_probability", 0.15)
-    head = d * d + d + 2 * d + config.vocab_size * d
-    return 6 * params + 12 * layers * seq_len * d + share * 6 * head
+def _bert_params(config: BertConfig) -> int:
+    d, ffn = config.hidden_size, config.intermediate_size
+    return config.num_hidden_layers * (4 * d * d + 2 * d * ffn + ffn + 9 * d) + 2 * d  # + embeddings' LayerNorm
+
+
+def _bert_head_params(config: BertConfig) -> int:
+    d = config.hidden_size
+    return d * d + d + 2 * d + config.vocab_size * d  # transform, its LayerNorm, the decoder
 
 
 def _bert_inputs(batch: Batch) -> Batch:
@@ -123,16 +143,13 @@ def _bert_inputs(batch: Batch) -> Batch:
     return out
 
 
-def _llama_flops(config: LlamaConfig, seq_len: int, data) -> float:
-    """``benchmarks/e2e.py``'s count: ``6 N + 12 L T D``, N the attention (q, o and the
-    grouped k, v), the SwiGLU MLP's three matrices, the RMSNorms and the LM head."""
-    d, layers = config.hidden_size, config.num_hidden_layers
+def _llama_params(config: LlamaConfig) -> int:
+    d = config.hidden_size
     head_dim = config.head_dim or d // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (config.num_key_value_heads or config.num_attention_heads) * head_dim
-    per_layer = 2 * d * q + 2 * d * kv + 3 * d * config.intermediate_size + 2 * d
-    params = layers * per_layer + d + config.vocab_size * d
-    return 6 * params + 12 * layers * seq_len * d
+    per_layer = 2 * d * q + 2 * d * kv + 3 * d * config.intermediate_size + 2 * d  # q, o; k, v; SwiGLU; norms
+    return config.num_hidden_layers * per_layer + d + config.vocab_size * d
 
 
 FAMILIES: dict[str, Family] = {
@@ -147,7 +164,7 @@ FAMILIES: dict[str, Family] = {
         positions_field="n_positions",
         shape_fields=("n_layer", "n_embd"),
         inputs=_causal_lm_inputs,
-        flops_per_token=_gpt2_flops,
+        flop_params=_gpt2_params,
         generates=True,
     ),
     "bert": Family(
@@ -161,8 +178,9 @@ FAMILIES: dict[str, Family] = {
         positions_field="max_position_embeddings",
         shape_fields=("num_hidden_layers", "hidden_size"),
         inputs=_bert_inputs,
-        flops_per_token=_bert_flops,
+        flop_params=_bert_params,
         generates=False,
+        head_params=_bert_head_params,
     ),
     "llama": Family(
         name="llama",
@@ -175,7 +193,7 @@ FAMILIES: dict[str, Family] = {
         positions_field="max_position_embeddings",
         shape_fields=("num_hidden_layers", "hidden_size"),
         inputs=_causal_lm_inputs,  # HF's label shift is inside the model, as in GPT-2
-        flops_per_token=_llama_flops,
+        flop_params=_llama_params,
         generates=True,
     ),
 }

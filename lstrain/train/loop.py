@@ -316,6 +316,15 @@ def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any,
     return training.accumulation(world.size)
 
 
+def _head_share(family: Family, data: Any, training: Any) -> float:
+    """The share of rows an MLM head runs on: the fixed masked positions per sequence over
+    seq_len, else the masking probability; 0 for causal families (their head is in N)."""
+    if family.head_params is None:
+        return 0.0
+    predictions = getattr(data, "max_predictions_per_seq", None)
+    return min(predictions / training.seq_len, 1.0) if predictions else getattr(data, "mlm_probability", 0.15)
+
+
 def _sample(
     model: torch.nn.Module, tokenizer, run: RunConfig, prompt_ids: list[int], device: torch.device, positions: int
 ) -> str:
@@ -558,7 +567,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         if not prompt:
             prompt = data.val.batch(0, 1)["input_ids"][0, :8].tolist()
         sample = _sample(model, data.tokenizer, run, prompt, device, family.positions(model_config))
-    flops_per_token = family.flops_per_token(model_config, training.seq_len, run.data)
+    flops_per_token = family.flops_per_token(model_config, training.seq_len, _head_share(family, run.data, training))
     tflops = ran * tokens_per_step * flops_per_token / max(seconds, 1e-9) / 1e12
     summary = Summary(
         steps=ran,

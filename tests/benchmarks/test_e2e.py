@@ -94,7 +94,8 @@ def test_llama_and_bert_workloads_are_the_issues():
     assert bert.config_fields()["hidden_dropout_prob"] == 0.1 and (bert.batch, bert.seq, bert.masked) == (16, 512, 0.15)
     # the MLM head (transform + LayerNorm + decoder) runs on the masked rows only
     head = 6 * (1024**2 + 3 * 1024 + 30522 * 1024)
-    assert bert.flops_per_token == pytest.approx(6 * bert.flop_params + 12 * 24 * 512 * 1024 + 0.15 * head)
+    assert bert.predictions == 77
+    assert bert.flops_per_token == pytest.approx(6 * bert.flop_params + 12 * 24 * 512 * 1024 + 77 / 512 * head)
     ids, labels, positions, masked_labels = e2e.make_batches(dataclasses.replace(bert, batch=4, seq=256), 1, CPU)[0]
     assert positions.shape == masked_labels.shape == (4, 38)  # round(0.15 x 256) per sequence
     assert int((labels != -100).sum()) == 4 * 38 and torch.equal(ids.gather(1, positions), masked_labels)
