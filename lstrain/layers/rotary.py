@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers.attention import sdpa_mask
-from lstrain.ops import rope_qkv
+from lstrain.ops import rope_qkv, rope_qkv_ref, rope_ref
 
 __all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
 
@@ -53,19 +53,21 @@ def rotary_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """GPT-J's interleaved rotation partner: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
-    pairs = x.unflatten(-1, (-1, 2))
-    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+def _check_rope_args(name: str, x_shape: tuple[int, ...], cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """:func:`rope_torch`'s checks of x's shape and of the cos / sin tables that go with it."""
+    if len(x_shape) != 4 or x_shape[-1] % 2:
+        raise ValueError(f"{name}: x must be [batch, heads, seq, head_dim] with an even head_dim, got {tuple(x_shape)}")
+    batch, _, seq, head_dim = x_shape
+    for table_name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) not in ((seq, head_dim), (batch, seq, head_dim), (1, seq, head_dim)):
+            raise ValueError(
+                f"{name}: {table_name} must be [seq, head_dim] = {(seq, head_dim)} or [batch or 1, seq, head_dim], "
+                f"got {tuple(t.shape)}"
+            )
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
-    """Rotate ``x`` by RoPE in plain torch ops (the reference of ``lstrain.ops.rope``).
+    """Rotate ``x`` by RoPE in plain torch ops: :func:`lstrain.ops.rope_ref`, checked, made contiguous.
 
     Args:
         x: ``[batch, heads, seq, head_dim]``.
@@ -82,22 +84,8 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
     Raises:
         ValueError: x is not 4-D with an even head_dim, or cos / sin do not fit it.
     """
-    if x.dim() != 4 or x.shape[-1] % 2:
-        raise ValueError(
-            f"rope_torch: x must be [batch, heads, seq, head_dim] with an even head_dim, got {tuple(x.shape)}"
-        )
-    batch, _, seq, head_dim = x.shape
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) not in ((seq, head_dim), (batch, seq, head_dim), (1, seq, head_dim)):
-            raise ValueError(
-                f"rope_torch: {name} must be [seq, head_dim] = {(seq, head_dim)} or [batch or 1, seq, head_dim], "
-                f"got {tuple(t.shape)}"
-            )
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    rotated = _rotate_pairs(x) if interleaved else _rotate_half(x)
-    return (x * cos + rotated * sin).contiguous()
+    _check_rope_args("rope_torch", tuple(x.shape), cos, sin)
+    return rope_ref(x, cos, sin, interleaved=interleaved).contiguous()
 
 
 def rope_qkv_torch(
@@ -109,8 +97,8 @@ def rope_qkv_torch(
     *,
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v from a packed projection, q and k rotated: plain torch, the contract (and
-    reference) of ``lstrain.ops.rope_qkv``.
+    """q, k, v from a packed projection, q and k rotated: plain torch, the contract of
+    ``lstrain.ops.rope_qkv`` (:func:`lstrain.ops.rope_qkv_ref`, checked, q and k made contiguous).
 
     Args:
         qkv: ``[batch, seq, (num_heads + 2 * num_kv_heads) * head_dim]``: q's heads, then k's,
@@ -140,9 +128,10 @@ def rope_qkv_torch(
             f"{heads} heads, got shape {tuple(qkv.shape)}"
         )
     batch, seq, width = qkv.shape
-    parts = qkv.view(batch, seq, heads, width // heads).transpose(1, 2)
-    q, k, v = parts.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
-    return rope_torch(q, cos, sin, interleaved=interleaved), rope_torch(k, cos, sin, interleaved=interleaved), v
+    # q's heads as rope_torch sees them (k's differ only in the head count, which it does not check)
+    _check_rope_args("rope_torch", (batch, num_heads, seq, width // heads), cos, sin)
+    q, k, v = rope_qkv_ref(qkv, cos, sin, num_heads, num_kv_heads, interleaved=interleaved)
+    return q.contiguous(), k.contiguous(), v
 
 
 class RotaryAttention(torch.nn.Module):
