@@ -35,6 +35,13 @@ import lstrain.nn
 from lstrain.layers import TransformerLayer
 from lstrain.layers.mlp import ACTIVATIONS
 from lstrain.models.hf_checkpoint import config_from_hf, config_to_hf, read_checkpoint, write_checkpoint
+from lstrain.models.inputs import (
+    check_ids_in_range,
+    check_input_ids,
+    check_integer,
+    check_shaped_like_input_ids,
+    should_check_ids,
+)
 from lstrain.ops import embedding, linear_cross_entropy
 
 __all__ = ["HF_LAYER_NAMES", "BertConfig", "BertForMaskedLM", "BertOutput"]
@@ -490,16 +497,9 @@ class BertForMaskedLM(torch.nn.Module):
     def _check_inputs(
         self, input_ids, attention_mask, token_type_ids, labels, check_ids: bool | None, masked_positions=None
     ) -> None:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"BertForMaskedLM: input_ids must be [batch, seq] int64 or int32, got shape "
-                f"{tuple(input_ids.shape)} {input_ids.dtype}"
-            )
-        seq, most = input_ids.shape[1], self.config.max_position_embeddings
-        if not 0 < seq <= most:
-            raise ValueError(
-                f"BertForMaskedLM: input_ids has {seq} positions; max_position_embeddings allows 1 to {most}"
-            )
+        model = "BertForMaskedLM"
+        check_input_ids(model, input_ids, "max_position_embeddings", self.config.max_position_embeddings)
+        seq = input_ids.shape[1]
         if masked_positions is not None:
             if masked_positions.dim() != 2 or masked_positions.dtype not in (torch.int64, torch.int32):
                 raise ValueError(
@@ -521,40 +521,15 @@ class BertForMaskedLM(torch.nn.Module):
         sequence_shaped = [("attention_mask", attention_mask), ("token_type_ids", token_type_ids)]
         if masked_positions is None:
             sequence_shaped.append(("labels", labels))
-        for name, t in sequence_shaped:
-            if t is not None and tuple(t.shape) != tuple(input_ids.shape):
-                raise ValueError(
-                    f"BertForMaskedLM: {name} must be shaped like input_ids {tuple(input_ids.shape)}, "
-                    f"got {tuple(t.shape)}"
-                )
-        for name, t in (("token_type_ids", token_type_ids), ("labels", labels)):
-            if t is not None and t.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"BertForMaskedLM: {name} must be int64 or int32, got {t.dtype}")
-        if check_ids is None:
-            check_ids = input_ids.device.type == "cpu"
-        if not check_ids or torch.compiler.is_compiling():
+        check_shaped_like_input_ids(model, input_ids, sequence_shaped)
+        check_integer(model, (("token_type_ids", token_type_ids), ("labels", labels)))
+        if not should_check_ids(check_ids, input_ids):
             return
         vocab, types = self.config.vocab_size, self.config.type_vocab_size
-        for name, ids, rows, allowed in (
-            ("input_ids", input_ids, vocab, None),
-            ("token_type_ids", token_type_ids, types, None),
-            ("labels", labels, vocab, IGNORE_INDEX),
-        ):
-            if ids is None:
-                continue
-            bad = (ids < 0) | (ids >= rows)
-            if allowed is not None:
-                bad &= ids != allowed
-            if bad.any():
-                index = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"BertForMaskedLM: {name} {int(ids[index])} at {index} is outside [0, {rows})")
-        if masked_positions is not None:
-            bad = (masked_positions < 0) | (masked_positions >= seq)
-            if bad.any():
-                index = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(
-                    f"BertForMaskedLM: masked_positions {int(masked_positions[index])} at {index} is outside [0, {seq})"
-                )
+        check_ids_in_range(model, "input_ids", input_ids, vocab)
+        check_ids_in_range(model, "token_type_ids", token_type_ids, types)
+        check_ids_in_range(model, "labels", labels, vocab, ignore=IGNORE_INDEX)
+        check_ids_in_range(model, "masked_positions", masked_positions, seq)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device=None, dtype=None, **overrides) -> BertForMaskedLM:

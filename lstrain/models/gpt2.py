@@ -29,6 +29,13 @@ from lstrain.models.hf_checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from lstrain.models.inputs import (
+    check_ids_in_range,
+    check_input_ids,
+    check_integer,
+    check_shaped_like_input_ids,
+    should_check_ids,
+)
 from lstrain.ops import embedding, linear_cross_entropy
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Output"]
@@ -329,35 +336,14 @@ class GPT2(torch.nn.Module):
         return F.dropout(wte(input_ids) + wpe(positions), p, self.training)
 
     def _check_inputs(self, input_ids, labels, attention_mask, check_ids: bool | None) -> None:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"GPT2: input_ids must be [batch, seq] int64 or int32, got shape {tuple(input_ids.shape)} "
-                f"{input_ids.dtype}"
-            )
-        seq = input_ids.shape[1]
-        if not 0 < seq <= self.config.n_positions:
-            raise ValueError(f"GPT2: input_ids has {seq} positions; n_positions allows 1 to {self.config.n_positions}")
-        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
-            if t is not None and tuple(t.shape) != tuple(input_ids.shape):
-                raise ValueError(
-                    f"GPT2: {name} must be shaped like input_ids {tuple(input_ids.shape)}, got {tuple(t.shape)}"
-                )
-        if labels is not None and labels.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"GPT2: labels must be int64 or int32, got {labels.dtype}")
-        if check_ids is None:
-            check_ids = input_ids.device.type == "cpu"
-        if not check_ids or torch.compiler.is_compiling():
+        check_input_ids("GPT2", input_ids, "n_positions", self.config.n_positions)
+        check_shaped_like_input_ids("GPT2", input_ids, (("labels", labels), ("attention_mask", attention_mask)))
+        check_integer("GPT2", (("labels", labels),))
+        if not should_check_ids(check_ids, input_ids):
             return
         vocab = self.config.vocab_size
-        for name, ids, allowed in (("input_ids", input_ids, None), ("labels", labels, IGNORE_INDEX)):
-            if ids is None:
-                continue
-            bad = (ids < 0) | (ids >= vocab)
-            if allowed is not None:
-                bad &= ids != allowed
-            if bad.any():
-                index = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"GPT2: {name} {int(ids[index])} at {index} is outside the vocabulary [0, {vocab})")
+        check_ids_in_range("GPT2", "input_ids", input_ids, vocab, table="vocabulary")
+        check_ids_in_range("GPT2", "labels", labels, vocab, ignore=IGNORE_INDEX, table="vocabulary")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device=None, dtype=None, **overrides) -> GPT2:

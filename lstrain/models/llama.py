@@ -31,6 +31,13 @@ from lstrain.models.hf_checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from lstrain.models.inputs import (
+    check_ids_in_range,
+    check_input_ids,
+    check_integer,
+    check_shaped_like_input_ids,
+    should_check_ids,
+)
 from lstrain.ops import embedding, linear_cross_entropy
 
 __all__ = ["Llama", "LlamaConfig", "LlamaOutput"]
@@ -383,21 +390,11 @@ class Llama(torch.nn.Module):
         return LlamaOutput(loss=loss, logits=logits)
 
     def _check_inputs(self, input_ids, labels, attention_mask, check_ids: bool | None, position_ids=None) -> None:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"Llama: input_ids must be [batch, seq] int64 or int32, got shape {tuple(input_ids.shape)} "
-                f"{input_ids.dtype}"
-            )
-        seq, limit = input_ids.shape[1], self.config.max_position_embeddings
-        if not 0 < seq <= limit:
-            raise ValueError(f"Llama: input_ids has {seq} positions; max_position_embeddings allows 1 to {limit}")
-        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
-            if t is not None and tuple(t.shape) != tuple(input_ids.shape):
-                raise ValueError(
-                    f"Llama: {name} must be shaped like input_ids {tuple(input_ids.shape)}, got {tuple(t.shape)}"
-                )
-        if labels is not None and labels.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"Llama: labels must be int64 or int32, got {labels.dtype}")
+        limit = self.config.max_position_embeddings
+        check_input_ids("Llama", input_ids, "max_position_embeddings", limit)
+        seq = input_ids.shape[1]
+        check_shaped_like_input_ids("Llama", input_ids, (("labels", labels), ("attention_mask", attention_mask)))
+        check_integer("Llama", (("labels", labels),))
         if position_ids is not None and (
             position_ids.dim() != 2
             or position_ids.shape[0] not in (1, input_ids.shape[0])
@@ -408,28 +405,12 @@ class Llama(torch.nn.Module):
                 f"Llama: position_ids must be [batch or 1, seq] = {tuple(input_ids.shape)} int64 or int32, got shape "
                 f"{tuple(position_ids.shape)} {position_ids.dtype}"
             )
-        if check_ids is None:
-            check_ids = input_ids.device.type == "cpu"
-        if not check_ids or torch.compiler.is_compiling():
+        if not should_check_ids(check_ids, input_ids):
             return
         vocab = self.config.vocab_size
-        for name, ids, allowed in (("input_ids", input_ids, None), ("labels", labels, IGNORE_INDEX)):
-            if ids is None:
-                continue
-            bad = (ids < 0) | (ids >= vocab)
-            if allowed is not None:
-                bad &= ids != allowed
-            if bad.any():
-                index = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"Llama: {name} {int(ids[index])} at {index} is outside the vocabulary [0, {vocab})")
-        if position_ids is not None:
-            bad = (position_ids < 0) | (position_ids >= limit)
-            if bad.any():
-                index = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(
-                    f"Llama: position_ids {int(position_ids[index])} at {index} is outside [0, {limit}) "
-                    "(max_position_embeddings)"
-                )
+        check_ids_in_range("Llama", "input_ids", input_ids, vocab, table="vocabulary")
+        check_ids_in_range("Llama", "labels", labels, vocab, ignore=IGNORE_INDEX, table="vocabulary")
+        check_ids_in_range("Llama", "position_ids", position_ids, limit, note=" (max_position_embeddings)")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device=None, dtype=None, **overrides) -> Llama:
