@@ -23,7 +23,7 @@ import numpy as np
 
 from lstrain.data.corpus import PYTHON_STDLIB, CorpusFile, read_documents, select_files
 from lstrain.data.shards import is_shard_source, open_shards
-from lstrain.data.stream import TokenStream
+from lstrain.data.stream import TokenStream, check_max_predictions_per_seq
 from lstrain.data.tokenizer import MIN_BPE_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, train_bpe
 
 __all__ = ["TOKENIZERS", "Data", "DataConfig", "build_data"]
@@ -106,12 +106,7 @@ def _check_config(config: DataConfig, seq_len: int) -> None:
         raise ValueError(f"val_fraction: {config.val_fraction} is not in (0, 1)")
     if not 0.0 < config.mlm_probability < 1.0:
         raise ValueError(f"mlm_probability: {config.mlm_probability} is not in (0, 1)")
-    predictions = config.max_predictions_per_seq
-    bad = isinstance(predictions, bool) or not isinstance(predictions, int) or predictions <= 0
-    if predictions is not None and bad:
-        raise ValueError(f"max_predictions_per_seq: {predictions!r} is not a positive integer (or None)")
-    if predictions is not None and predictions > seq_len:
-        raise ValueError(f"max_predictions_per_seq: {predictions} exceeds seq_len {seq_len}")
+    check_max_predictions_per_seq(config.max_predictions_per_seq, seq_len)  # TokenStream's check, before any reading
     if config.max_bytes is not None and config.max_bytes < 1:
         raise ValueError(f"max_bytes: {config.max_bytes} is not a positive number of bytes (or None)")
 

@@ -108,6 +108,20 @@ def mask_tokens_fixed(
     return inputs, labels, positions, masked_labels
 
 
+def check_max_predictions_per_seq(predictions: int | None, seq_len: int) -> None:
+    """Refuse a ``max_predictions_per_seq`` that is not None or an int in ``[1, seq_len]``.
+
+    Raises:
+        ValueError: naming ``max_predictions_per_seq`` and its value.
+    """
+    if predictions is None:
+        return
+    if isinstance(predictions, bool) or not isinstance(predictions, int) or predictions <= 0:
+        raise ValueError(f"max_predictions_per_seq: {predictions!r} is not a positive integer (or None)")
+    if predictions > seq_len:
+        raise ValueError(f"max_predictions_per_seq: {predictions} exceeds seq_len {seq_len}")
+
+
 class TokenStream:
     """One split's batches (see the module docstring for their order and layout).
 
@@ -119,10 +133,12 @@ class TokenStream:
         tokenizer: for the pad, mask and special ids.
         mlm_probability: selection probability of MLM masking, or None for causal LM.
         max_predictions_per_seq: MLM with a fixed number of masked positions per sequence
-            (:func:`mask_tokens_fixed`), or None for HF's per-token draws (:func:`mask_tokens`).
+            (:func:`mask_tokens_fixed`), an int in ``[1, seq_len]``; or None for HF's
+            per-token draws (:func:`mask_tokens`), and always None for causal LM.
 
     Raises:
-        ValueError: no whole sequence in the split, or MLM without a mask id.
+        ValueError: a max_predictions_per_seq that is not None or an int in [1, seq_len], or
+            one given for causal LM; no whole sequence in the split; MLM without a mask id.
     """
 
     def __init__(
@@ -135,7 +151,13 @@ class TokenStream:
         mlm_probability: float | None = None,
         max_predictions_per_seq: int | None = None,
     ):
-        self.max_predictions_per_seq = max_predictions_per_seq if mlm_probability is not None else None
+        check_max_predictions_per_seq(max_predictions_per_seq, seq_len)
+        if mlm_probability is None and max_predictions_per_seq is not None:
+            raise ValueError(
+                f"max_predictions_per_seq: {max_predictions_per_seq} is for MLM streams only; "
+                "causal LM (mlm_probability=None) takes None"
+            )
+        self.max_predictions_per_seq = max_predictions_per_seq
         self.shards = [s for s in shards if len(s) >= seq_len]
         self.seq_len, self.seed, self.split = seq_len, seed, split
         self.tokenizer, self.mlm_probability = tokenizer, mlm_probability

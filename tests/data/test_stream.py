@@ -194,3 +194,32 @@ def test_fixed_masking_caps_at_max_predictions_and_is_mlm_only(stdlib_config):
     for bad, message in [(0, "is not a positive integer"), (65, "max_predictions_per_seq: 65 exceeds seq_len 64")]:
         with pytest.raises(ValueError, match=message):
             build_data(dataclasses.replace(stdlib_config, max_predictions_per_seq=bad), seq_len=64, mlm=True)
+
+
+@pytest.mark.parametrize(
+    ("predictions", "match"),
+    [
+        (-1, r"^max_predictions_per_seq: -1 is not a positive integer \(or None\)$"),
+        (0, r"^max_predictions_per_seq: 0 is not a positive integer"),
+        (True, r"^max_predictions_per_seq: True is not a positive integer"),
+        (2.0, r"^max_predictions_per_seq: 2.0 is not a positive integer"),
+        ("3", r"^max_predictions_per_seq: '3' is not a positive integer"),
+        (9, r"^max_predictions_per_seq: 9 exceeds seq_len 8$"),
+    ],
+)
+def test_stream_refuses_a_bad_max_predictions_per_seq(predictions, match):
+    with pytest.raises(ValueError, match=match):
+        TokenStream([np.arange(64, dtype=np.uint16)], 8, 0, "train", ByteTokenizer(), 0.15, predictions)
+
+
+def test_stream_refuses_max_predictions_per_seq_for_causal_lm():
+    with pytest.raises(ValueError, match=r"^max_predictions_per_seq: 3 is for MLM streams only; causal LM"):
+        TokenStream([np.arange(64, dtype=np.uint16)], 8, 0, "train", ByteTokenizer(), max_predictions_per_seq=3)
+
+
+def test_stream_takes_max_predictions_per_seq_up_to_seq_len():
+    tokens = np.arange(64, dtype=np.uint16) + 3
+    for predictions in (1, 8):
+        stream = TokenStream([tokens], 8, 0, "train", ByteTokenizer(), 0.5, predictions)
+        assert stream.batch(0, 2)["masked_positions"].shape == (2, predictions)
+    assert "masked_positions" not in TokenStream([tokens], 8, 0, "train", ByteTokenizer()).batch(0, 2)
