@@ -56,13 +56,15 @@ def test_flops_per_token_is_6n_plus_12ltd():
 def test_variants_and_what_they_need():
     assert list(e2e.VARIANTS) == [
         "torch-eager", "torch-compile", "hf-eager", "hf-compile", "hf-liger",
-        "lstrain-patch", "lstrain-eager", "lstrain-captured", "lstrain-compile",
+        "lstrain-patch", "lstrain-patch-captured", "lstrain-eager", "lstrain-captured", "lstrain-compile",
     ]  # fmt: skip
     cpu_ones = [v.name for v in e2e.VARIANTS.values() if not v.needs_cuda]
     assert cpu_ones == ["torch-eager", "lstrain-eager"]
     assert [n for n in e2e.VARIANTS if report.is_ours(n)] == [
-        "lstrain-patch", "lstrain-eager", "lstrain-captured", "lstrain-compile"
+        "lstrain-patch", "lstrain-patch-captured", "lstrain-eager", "lstrain-captured", "lstrain-compile"
     ]  # fmt: skip
+    patched_captured = e2e.VARIANTS["lstrain-patch-captured"]
+    assert patched_captured.precision(e2e.WORKLOADS["gpt2-medium"]) == "bf16 params, fp32 master weights"
     every = lambda name: True  # noqa: E731
     none = lambda name: False  # noqa: E731
     liger = e2e.VARIANTS["hf-liger"]
@@ -403,5 +405,7 @@ def test_each_family_s_models_take_a_step(family):
         e2e.torch_step(e2e._hf_model(tiny), tiny, device, compiled=False),
         e2e.torch_step(e2e._hf_patched(tiny), tiny, device, compiled=False),
     ]
+    if family != "bert":  # lstrain-patch-captured's step, uncaptured: the patched model on FusedAdamW
+        steps.append(e2e.lstrain_step(e2e._hf_patched(tiny), tiny, device, compiled=False))
     losses = [float(step(*batch)) for step in steps]
     assert all(abs(loss - math.log(101)) < 1.0 for loss in losses), losses
