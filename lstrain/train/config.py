@@ -198,7 +198,9 @@ class OptimizerConfig:
     """``[optimizer]``: AdamW's hyperparameters (weight decay on matrices only).
 
     Args:
-        name: ``"adamw"``.
+        name: ``"adamw"``, or ``"zero_adamw"`` for ZeRO-1 in a ``torchrun`` job
+            (:class:`lstrain.optim.ZeroAdamW`: each rank keeps its shard of the fp32 master
+            weights and moments; checkpoints hold them gathered, in torch's AdamW layout).
         lr: the peak learning rate (the schedule scales it).
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
@@ -216,7 +218,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
 
     def __post_init__(self) -> None:
-        _choice("[optimizer]", "name", self.name, ("adamw",))
+        _choice("[optimizer]", "name", self.name, ("adamw", "zero_adamw"))
         _number("[optimizer]", "lr", self.lr, 0.0, math.inf)
         _number("[optimizer]", "eps", self.eps, 0.0, math.inf)
         _number("[optimizer]", "weight_decay", self.weight_decay, 0.0, math.inf)

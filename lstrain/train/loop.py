@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lstrain import _backend
-from lstrain.optim import DataParallel, FlatParameters, FusedAdamW, LossScaler
+from lstrain.optim import DataParallel, FlatParameters, FusedAdamW, LossScaler, ZeroAdamW
 from lstrain.train import checkpoint as ckpt
 from lstrain.train.capture import CapturedStep
 from lstrain.train.config import RunConfig, TrainingConfig
@@ -182,7 +182,11 @@ class _Stepper:
         kwargs = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
         max_norm = training.max_norm or None
         self.fused = world.device.type == "cuda" or _backend.interpreter_active()
-        if self.fused:
+        self.zero = opt.name == "zero_adamw"
+        if self.zero:  # ZeRO-1: its step reduce-scatters the gradients and gathers the weights
+            self.optimizer = ZeroAdamW(groups, **kwargs, max_grad_norm=max_norm)
+            self.flat = self.optimizer.flat
+        elif self.fused:
             self.optimizer = FusedAdamW(groups, **kwargs, max_grad_norm=max_norm)
             self.flat = self.optimizer.flat
         else:
@@ -193,7 +197,8 @@ class _Stepper:
         self.forward = torch.compile(model) if training.compile else model
         self.graph: CapturedStep | None = None
         # data parallel: the flat gradient buffers all-reduced in buckets as backward fills them
-        self.ddp = DataParallel(self.optimizer if self.fused else self.flat) if world.size > 1 else None
+        data_parallel = world.size > 1 and not self.zero
+        self.ddp = DataParallel(self.optimizer if self.fused else self.flat) if data_parallel else None
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -258,8 +263,10 @@ class _Stepper:
         return self.graph(batches)
 
     def state_dict(self) -> dict:
+        """The optimizer's and scaler's state; with ZeRO-1 a collective (every rank calls it)
+        whose optimizer state, gathered in torch's AdamW layout, only rank 0 receives."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict(gathered=True) if self.zero else self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
@@ -301,6 +308,15 @@ def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any,
         )
     if training.cuda_graphs and world.device.type != "cuda":
         raise ValueError("[training]: cuda_graphs needs CUDA (this run is on the CPU)")
+    if run.optimizer.name == "zero_adamw":
+        if world.size == 1:
+            raise ValueError(
+                '[optimizer]: name = "zero_adamw" shards over the ranks of a torchrun job; with one process use "adamw"'
+            )
+        if world.device.type != "cuda" and not _backend.interpreter_active():
+            raise ValueError(
+                '[optimizer]: name = "zero_adamw" runs lstrain\'s kernels: CUDA, or TRITON_INTERPRET=1 on the CPU'
+            )
     if training.cuda_graphs and world.size > 1:
         raise ValueError(
             "[training]: cuda_graphs with more than one rank is not supported yet (the gradient buckets' "
@@ -490,12 +506,12 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         model.train()
         return mean_over_ranks(total / run.eval.steps)
 
-    def save(step: int) -> Path:
+    def save(step: int, stepper_state: dict) -> Path:
         state = {
             "step": step,
             "data_step": step * accumulation,
             "data": _data_position(training, world.size, accumulation),
-            **stepper.state_dict(),
+            **stepper_state,
             "scheduler": {"step": step, "total_steps": training.steps},
             "rng": _rng_state(),
             "world_size": world.size,
@@ -554,8 +570,9 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
                 plot_losses(plot_path, log.records, f"{layers} x {width} {family.label}")
         interval = run.checkpoint.interval
         if run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps):
+            stepper_state = stepper.state_dict()  # every rank: ZeRO-1 gathers its shards here
             if world.main:
-                last_checkpoint = save(done)
+                last_checkpoint = save(done, stepper_state)
             if world.size > 1:
                 dist.barrier()  # no rank runs ahead of a checkpoint it could be killed after
     bar.close()

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from lstrain import _backend
 from lstrain.data import build_data
+from lstrain.train import checkpoint as ckpt
 from lstrain.train import train
 from tests.train.helpers import micro_bert_run, micro_run
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 STEPS = 3
-RUNS = {"gpt2": micro_run, "bert": micro_bert_run}
+RUNS = {"gpt2": micro_run, "bert": micro_bert_run, "gpt2-zero": micro_run}
 
 
 def _quiet(line: str) -> None:
@@ -37,6 +38,8 @@ def _rank(rank: int, world: int, port: int, folder: str, family: str) -> None:
     )
     os.environ["MASTER_PORT"] = str(port)
     run = RUNS[family](folder, steps=STEPS, dropout=0.0, local_batch_size=1)
+    if family.endswith("-zero"):
+        run.optimizer.name = "zero_adamw"
     summary = train(run, progress=False, echo=_quiet)
     state = {k: v.clone() for k, v in summary.model.state_dict().items()}
     torch.save({"state": state, "losses": summary.losses}, os.path.join(folder, f"rank{rank}.pt"))
@@ -63,3 +66,9 @@ def test_two_ranks_agree_with_one_process_over_the_global_batch(tmp_path, family
         assert ranks[0]["losses"][step] == pytest.approx(loss, rel=1e-5)
     # rank 0 alone writes: every interval (2) and the last step, no temporary directory left
     assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+    if family.endswith("-zero"):  # the shards gathered into torch's AdamW layout, as one process saves it
+        saved = ckpt.load_trainer_state(ddp / "checkpoints" / "step-00000003")["optimizer"]
+        expected = alone.checkpoint and ckpt.load_trainer_state(alone.checkpoint)["optimizer"]
+        assert saved["state"].keys() == expected["state"].keys()
+        for index, entry in saved["state"].items():
+            torch.testing.assert_close(entry["exp_avg"], expected["state"][index]["exp_avg"], rtol=1e-4, atol=1e-6)

@@ -185,3 +185,11 @@ def test_cuda_graphs_with_several_ranks_is_refused_before_any_step(tmp_path):
     data = type("Data", (), {"mlm": False, "train": None})()
     with pytest.raises(ValueError, match="cuda_graphs with more than one rank is not supported yet"):
         _check_run(run, world, FAMILIES["gpt2"], run.model.build(259), data)
+
+
+def test_zero_adamw_in_one_process_is_refused_before_any_step(tmp_path):
+    run = micro_run(tmp_path)
+    run.optimizer.name = "zero_adamw"
+    with pytest.raises(ValueError, match='"zero_adamw" shards over the ranks of a torchrun job'):
+        train(run, progress=False, echo=_quiet)
+    assert not (tmp_path / "metrics").exists()
