@@ -320,6 +320,15 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._check_params()
         self._sync_hyperparameters()
 
+    @torch.no_grad()
+    def reseed_masters(self) -> None:
+        """Copy the 16-bit parameters into their fp32 master weights: after the flat buffers
+        were written where the optimizer cannot see it (a broadcast from another rank), so
+        that the next step starts from the parameters as they are now."""
+        for master, buffer in zip(self._masters, self.flat.buffers, strict=True):
+            if master is not None:
+                master.copy_(buffer.data)
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's API); after construction the flat buffers are rebuilt to
         include it, every existing parameter keeping its state.

@@ -158,9 +158,7 @@ class DataParallel:
         if broadcast_from is not None:
             broadcast_flat(flat, broadcast_from, process_group)
             if self.optimizer is not None:
-                for master, buffer in zip(self.optimizer._masters, flat.buffers, strict=True):
-                    if master is not None:
-                        master.copy_(buffer.data)
+                self.optimizer.reseed_masters()
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
             self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))

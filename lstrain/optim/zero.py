@@ -94,9 +94,14 @@ class ZeroAdamW(FusedAdamW):
         )  # fmt: skip
         if broadcast_from is not None:
             broadcast_flat(self.flat, broadcast_from, process_group)
-            for master, buffer, (start, end) in zip(self._masters, self.flat.buffers, self.shards, strict=True):
-                if master is not None:
-                    master.copy_(buffer.data[start:end])
+            self.reseed_masters()
+
+    @torch.no_grad()
+    def reseed_masters(self) -> None:
+        """FlatOptimizer's, for this rank's shard of each flat buffer (its masters' range)."""
+        for master, buffer, (start, end) in zip(self._masters, self.flat.buffers, self.shards, strict=True):
+            if master is not None:
+                master.copy_(buffer.data[start:end])
 
     # -- layout ------------------------------------------------------------------------
 
