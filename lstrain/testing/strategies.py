@@ -113,8 +113,9 @@ def row_widths(max_cols: int) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def layer_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
-    """A LayerNorm case: shapes, dtype (any, or the one given), affine flags, eps and a seed."""
+def _normalized_shapes(draw, device: str) -> dict:
+    """``shape`` and ``normalized_shape`` of a norm's case: one row in ten longer than a tile
+    (few rows then), up to two leading dims, sometimes two normalised dims."""
     limits = size_limits(device)
     long_row = draw(st.integers(0, 9)) == 0
     cols = draw(st.integers(limits["cols"] + 1, limits["long_cols"])) if long_row else draw(row_widths(limits["cols"]))
@@ -123,9 +124,14 @@ def layer_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None
     normalized = (cols,)
     if cols % 2 == 0 and cols > 2 and draw(st.booleans()):
         normalized = (2, cols // 2)
+    return {"shape": (*leading, rows, *normalized), "normalized_shape": normalized}
+
+
+@st.composite
+def layer_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A LayerNorm case: shapes, dtype (any, or the one given), affine flags, eps and a seed."""
     return {
-        "shape": (*leading, rows, *normalized),
-        "normalized_shape": normalized,
+        **draw(_normalized_shapes(device)),
         "dtype": dtype or draw(dtypes()),
         "weight": draw(st.booleans()),
         "bias": draw(st.booleans()),
@@ -141,17 +147,8 @@ def rms_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) 
 
     ``eps`` None is torch's default; ``scale`` shrinks some inputs until eps matters.
     """
-    limits = size_limits(device)
-    long_row = draw(st.integers(0, 9)) == 0
-    cols = draw(st.integers(limits["cols"] + 1, limits["long_cols"])) if long_row else draw(row_widths(limits["cols"]))
-    leading = draw(st.lists(st.integers(1, 4), min_size=0, max_size=2))
-    rows = draw(st.integers(1, limits["rows"] if not long_row else 3))
-    normalized = (cols,)
-    if cols % 2 == 0 and cols > 2 and draw(st.booleans()):
-        normalized = (2, cols // 2)
     return {
-        "shape": (*leading, rows, *normalized),
-        "normalized_shape": normalized,
+        **draw(_normalized_shapes(device)),
         "dtype": dtype or draw(dtypes()),
         "weight": draw(st.booleans()),
         "eps": draw(st.sampled_from([None, 1e-5, 1e-6])),
