@@ -570,7 +570,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
                 plot_losses(plot_path, log.records, f"{layers} x {width} {family.label}")
         interval = run.checkpoint.interval
         if run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps):
-            stepper_state = stepper.state_dict()  # every rank: ZeRO-1 gathers its shards here
+            if world.main or stepper.zero:  # ZeRO-1's gather is a collective: every rank joins it
+                stepper_state = stepper.state_dict()
             if world.main:
                 last_checkpoint = save(done, stepper_state)
             if world.size > 1:
