@@ -223,6 +223,8 @@ class CapturedStep:
                     self.step_fn(*static_batch)
         torch.cuda.current_stream().wait_stream(side)
         rewind(self.restore, saved)
+        # the host checks' device work (masters following the rewound weights) happens now,
+        # outside the graph, not recorded into it to repeat at every replay
         for optimizer in self._optimizers:
             if isinstance(optimizer, FlatOptimizer):
                 optimizer.before_replay()
