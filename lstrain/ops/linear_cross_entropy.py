@@ -20,7 +20,9 @@ backward recomputes each chunk's logits instead.
 A vocabulary that is not a multiple of 64 (GPT-2's 50257) would give the logits rows that
 are not 16-byte aligned, which sends cuBLAS to its slow unaligned kernels: the weight is
 copied once per call with zero rows appended, and each chunk's logits are a [rows, V] view
-of the padded product (the user's vocabulary, loss and gradients are unchanged).
+of the padded product (the user's vocabulary, loss and gradients are unchanged). The hidden
+gradient's GEMM then reads the whole padded product, whose extra columns are zeros, against
+the padded weight: its K (the vocabulary) is aligned too.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class _ChunkGradients:
     def __init__(
         self, hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool], fp32_weight_grad: bool
     ) -> None:
-        vocab = weight.shape[0]
+        vocab = self.vocab = weight.shape[0]
         weight_dtype = torch.float32 if fp32_weight_grad else weight.dtype
         self.hidden = torch.empty_like(hidden) if needs[0] else None
         # the first chunk writes the weight gradient whole; with no tokens there is none
@@ -100,8 +102,12 @@ class _ChunkGradients:
         self.bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if needs[2] else None
 
     def add(self, rows: slice, grad_logits: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
+        """Fold one chunk's ``grad_logits`` [rows, V] into the gradients; ``weight`` is [V, D],
+        or [V_padded, D] with zero rows appended when ``grad_logits`` is a [rows, V_padded]
+        product whose extra columns are zeros (an aligned GEMM K for the hidden gradient)."""
         if self.hidden is not None:
             torch.mm(grad_logits, weight, out=self.hidden[rows])  # no product buffer, no copy
+        grad_logits = grad_logits[:, : self.vocab]
         if self.weight is not None:
             first = rows.start == 0
             if first and self.weight.dtype == grad_logits.dtype:
@@ -138,13 +144,14 @@ def _padded_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_logits(hidden_c: torch.Tensor, padded_weight: torch.Tensor, vocab: int, bias: torch.Tensor | None):
-    """``hidden_c @ weight.T + bias`` as [rows, V]: a view of the [rows, V_padded] product
-    with ``padded_weight``, whose extra columns are exact zeros (and stay so: the
-    cross-entropy kernel reads and writes the first V only)."""
-    logits = (hidden_c @ padded_weight.t())[:, :vocab]
+    """``hidden_c @ weight.T + bias`` as [rows, V], and the [rows, V_padded] product with
+    ``padded_weight`` it is a view of, whose extra columns are exact zeros (and stay so:
+    the cross-entropy kernel reads and writes the first V only)."""
+    product = hidden_c @ padded_weight.t()
+    logits = product[:, :vocab]
     if bias is not None:
         logits += bias
-    return logits
+    return product, logits
 
 
 def _chunks(tokens: int, vocab: int, hidden: torch.Tensor, chunk_bytes: int):
@@ -169,7 +176,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grads = _ChunkGradients(hidden, weight, needs, fp32_sum) if grad_scale is not None else None
         padded_weight = _padded_weight(weight)
         for rows in _chunks(tokens, vocab, hidden, chunk_bytes):
-            logits = _chunk_logits(hidden[rows], padded_weight, vocab, bias)
+            product, logits = _chunk_logits(hidden[rows], padded_weight, vocab, bias)
             # In eager mode the kernel overwrites the chunk's logits with their gradient.
             grad_out = logits if grad_scale is not None else None
             chunk_loss, _, grad_logits = loss_and_gradient(
@@ -177,8 +184,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
             loss[rows] = chunk_loss
             if grads is not None:
-                grads.add(rows, grad_logits, hidden[rows], weight)
-            del logits, grad_out, grad_logits  # before the next chunk's logits are allocated
+                # the gradient is then the padded product's: the hidden gradient's GEMM gets
+                # an aligned K (an odd vocabulary's K sends cuBLAS to its align1 kernels)
+                in_place = grad_logits is logits
+                grads.add(rows, product if in_place else grad_logits, hidden[rows],
+                          padded_weight if in_place else weight)  # fmt: skip
+            del product, logits, grad_out, grad_logits  # before the next chunk's logits are allocated
         ctx.reduction = reduction
         ctx.options = options
         ctx.chunk_bytes = chunk_bytes
@@ -214,7 +225,7 @@ def _recompute_gradients(ctx, grad_loss):
     grads = _ChunkGradients(hidden, weight, needs, ctx.fp32_sum)
     padded_weight = _padded_weight(weight)
     for rows in _chunks(hidden.shape[0], weight.shape[0], hidden, ctx.chunk_bytes):
-        logits = _chunk_logits(hidden[rows], padded_weight, weight.shape[0], bias)
+        _, logits = _chunk_logits(hidden[rows], padded_weight, weight.shape[0], bias)
         _, stats, _ = loss_and_gradient(logits, target[rows], ctx.options, None, None, None)
         grad_logits = recompute_gradient(grad_loss[rows], logits, target[rows], stats, ctx.options)
         grads.add(rows, grad_logits, hidden[rows], weight)

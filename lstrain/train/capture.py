@@ -13,6 +13,7 @@ shape, an optimizer whose buffers were rebuilt).
 from __future__ import annotations
 
 import numbers
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,7 +103,9 @@ class CapturedStep:
        torch's RNG to host memory, runs ``warmup`` eager steps on a side stream (lazily
        built state then exists and Triton's kernels are compiled: the graph records
        steady-state work; the last warm-up step runs with torch's sync check set to raise,
-       so that a host sync is reported at its line), and restores them, so warm-up steps
+       so that if the capture fails on a host sync, the error names its line; code that
+       skips its host checks under capture, as Hugging Face's mask builders do, captures
+       as it should), and restores them, so warm-up steps
        do not count as training: the first call trains exactly one step, as eager would;
     3. captures one step and replays it.
 
@@ -216,11 +219,12 @@ class CapturedStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for number in range(self.warmup):
-                if number == self.warmup - 1:
-                    self._checked_warmup(static_batch)
-                else:
-                    self.step_fn(*static_batch)
+            for _ in range(self.warmup - 1):
+                self.step_fn(*static_batch)
+            sync = self._checked_warmup(static_batch)
+            if sync is not None:
+                # the checked step stopped at the sync: finish a warm-up step without the check
+                self.step_fn(*static_batch)
         torch.cuda.current_stream().wait_stream(side)
         rewind(self.restore, saved)
         # the host checks' device work (masters following the rewound weights) happens now,
@@ -234,6 +238,9 @@ class CapturedStep:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._output = self.step_fn(*static_batch)
         except RuntimeError as error:
+            if sync is not None:
+                message = f"CapturedStep: the step synchronises with the host ({sync}); {_SYNC_HINT}"
+                raise CaptureError(message) from error
             if "captur" in str(error).lower() or "synchroniz" in str(error).lower():
                 raise CaptureError(f"CapturedStep: the step failed under capture ({error}); {_SYNC_HINT}") from error
             raise
@@ -241,18 +248,22 @@ class CapturedStep:
         self._generations = [getattr(optimizer, "generation", 0) for optimizer in self._optimizers]
         self._hyperparameters = [_plain_hyperparameters(optimizer) for optimizer in self._optimizers]
 
-    def _checked_warmup(self, static_batch: tuple) -> None:
+    def _checked_warmup(self, static_batch: tuple) -> str | None:
+        """One warm-up step with torch's sync check raising; returns where it synchronised
+        (the error and the step's line), or None."""
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
             self.step_fn(*static_batch)
         except RuntimeError as error:
-            if "synchroniz" in str(error).lower():
-                message = f"CapturedStep: the step synchronises with the host ({error}); {_SYNC_HINT}"
-                raise CaptureError(message) from error
-            raise
+            if "synchroniz" not in str(error).lower():
+                raise
+            frames = traceback.extract_tb(error.__traceback__)
+            where = next((f for f in reversed(frames) if "/torch/" not in f.filename), frames[-1])
+            return f"{error} at {where.filename}:{where.lineno}: {where.line}"
         finally:
             torch.cuda.set_sync_debug_mode(previous)
+        return None
 
     def _copy_in(self, batch: tuple) -> None:
         leaves, spec = pytree.tree_flatten_with_path(batch)

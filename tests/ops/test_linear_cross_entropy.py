@@ -281,6 +281,10 @@ def test_chunk_logits_rows_are_padded_to_an_aligned_stride(device, vocab):
     hidden = torch.randn(5, 16, generator=gen).to(device)
     weight = torch.randn(vocab, 16, generator=gen).to(device)
     bias = torch.randn(vocab, generator=gen).to(device)
-    logits = _chunk_logits(hidden, _padded_weight(weight), vocab, bias)
-    assert logits.shape == (5, vocab) and logits.stride() == (-(-vocab // 64) * 64, 1)
+    product, logits = _chunk_logits(hidden, _padded_weight(weight), vocab, bias)
+    padded = -(-vocab // 64) * 64
+    assert logits.shape == (5, vocab) and logits.stride() == (padded, 1)
+    assert product.shape == (5, padded) and logits.data_ptr() == product.data_ptr()
     torch.testing.assert_close(logits, hidden @ weight.t() + bias)
+    # the extra columns are exact zeros: the hidden gradient's GEMM reads them as its K
+    assert torch.equal(product[:, vocab:], torch.zeros(5, padded - vocab, device=device))
