@@ -38,7 +38,7 @@ from lstrain.ops._lib.activations import (
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import cdiv, contiguous_or_none, matmul_like
 from lstrain.ops._lib.options import float_option
 from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd, bias_act_dropout_bwd_op
 
@@ -707,7 +707,7 @@ class GemmFunction(torch.autograd.Function):
         if need_a or need_b:
             dp, sums = grad(alpha, a.dtype, need_bias, last=True)  # alpha dz in the operands' dtype, for cuBLAS
             da = dp @ b.t() if need_a else None
-            db = a.t() @ dp if need_b else None
+            db = matmul_like(a.t(), dp, b) if need_b else None  # in b's layout: a w.t() gets a contiguous grad
         elif need_bias:
             _, sums = grad(1.0, dd.dtype, True, last=True)
         if need_bias:

@@ -39,7 +39,7 @@ from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv
+from lstrain.ops._lib.layout import cdiv, matmul_like
 from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
 
 __all__ = [
@@ -551,7 +551,8 @@ class SwiGLUFunction(torch.autograd.Function):
         refuse_create_graph("swiglu_mlp")
         x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
         dy2d = _rows(dy)
-        dw_down = a.t() @ dy2d if ctx.needs_input_grad[2] else None
+        # weight gradients in the weights' layouts: a w.t() view's gradient reaches .grad contiguous
+        dw_down = matmul_like(a.t(), dy2d, w_down) if ctx.needs_input_grad[2] else None
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, dw_down
         if torch.compiler.is_compiling():
@@ -561,7 +562,7 @@ class SwiGLUFunction(torch.autograd.Function):
             dh = h if graph_freed_after_backward() else torch.empty_like(h)
             swiglu_bwd(dy2d, w_down, h, dh)
         dx = (dh @ w_gate_up.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        dw_gate_up = x2d.t() @ dh if ctx.needs_input_grad[1] else None
+        dw_gate_up = matmul_like(x2d.t(), dh, w_gate_up) if ctx.needs_input_grad[1] else None
         return dx, dw_gate_up, dw_down
 
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the ops' launchers: row views of tensors, grid sizes."""
+"""Helpers shared by the ops' launchers: row views of tensors, grid sizes, gradient layouts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["as_rows", "cdiv", "contiguous_or_none"]
+__all__ = ["as_rows", "cdiv", "contiguous_or_none", "matmul_like"]
 
 
 def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -30,3 +30,14 @@ def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     flat arrays, so a strided view (``buf[::2]``, rows padded in a wider buffer) is copied
     rather than read wrongly; a contiguous tensor is returned as it is."""
     return None if t is None else t.contiguous()
+
+
+def matmul_like(a: torch.Tensor, b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (2-D) in the layout of ``like``: computed as ``(b.t() @ a.t()).t()`` where
+    ``like`` is a transposed view (the ``w.t()`` of a ``[N, K]`` weight), as torch's own mm
+    backward does. A weight's gradient then reaches ``.grad`` contiguous through the
+    view's backward, and accumulating it there is a coalesced add (transposed, torch ran
+    its strided add: 125 us per 5632 x 2048 bf16 gradient in a LLaMA-0.75B step, H200)."""
+    if like.dim() == 2 and like.stride(0) == 1 and like.stride(1) != 1:
+        return (b.t() @ a.t()).t()
+    return a @ b
