@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import lstrain.nn
 from lstrain.layers._residual import add_residual
+from lstrain.ops import bias_act_dropout
 
 __all__ = ["ACTIVATIONS", "MLP"]
 
@@ -22,12 +22,15 @@ ACTIVATIONS = {
 class MLP(torch.nn.Module):
     """Linear -> activation -> Linear, with the output's dropout and the residual add.
 
-    Fused: ``c_fc`` is an :class:`lstrain.nn.Linear` whose GEMM epilogue adds the bias and
-    applies the activation (it keeps only the pre-activation for backward); ``c_proj``'s
-    GEMM runs without its bias (cuBLAS: there is no epilogue to fuse), and the bias, the
-    dropout and the residual add are one :func:`lstrain.ops.bias_dropout_residual`
-    kernel, whose mask is regenerated from a seed in backward. Unfused: ``nn.Linear``,
-    the activation, ``nn.Linear``, ``F.dropout`` and an add, with the same parameters.
+    Fused: both GEMMs are cuBLAS's without their biases; ``c_fc``'s bias and the
+    activation are one :func:`lstrain.ops.bias_act_dropout` kernel (it keeps only the
+    GEMM's output for backward, whose kernel also sums the bias gradient), and
+    ``c_proj``'s bias, the dropout and the residual add are one
+    :func:`lstrain.ops.bias_dropout_residual` kernel, whose mask is regenerated from a
+    seed in backward. (lstrain's Triton GEMM with the bias and activation in its epilogue
+    measured slower on the H200 than cuBLAS's GEMM plus that kernel: docs/notes/step_profiles.md.)
+    Unfused: ``nn.Linear``, the activation, ``nn.Linear``, ``F.dropout`` and an add, with
+    the same parameters.
 
     Args:
         dim: model width (input and output features).
@@ -62,15 +65,13 @@ class MLP(torch.nn.Module):
         self.activation = activation
         self.dropout = dropout
         self.fused = fused
-        if fused:
-            self.c_fc = lstrain.nn.Linear(dim, hidden, device=device, dtype=dtype, activation=activation)
-        else:
-            self.c_fc = torch.nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.c_fc = torch.nn.Linear(dim, hidden, device=device, dtype=dtype)
         self.c_proj = torch.nn.Linear(hidden, dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            y = F.linear(self.c_fc(x), self.c_proj.weight)
+            h = bias_act_dropout(F.linear(x, self.c_fc.weight), self.c_fc.bias, activation=self.activation)
+            y = F.linear(h, self.c_proj.weight)
             return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training)
         y = self.c_proj(ACTIVATIONS[self.activation](self.c_fc(x)))
         return residual + F.dropout(y, self.dropout, self.training)

@@ -98,7 +98,7 @@ def rope_qkv_torch(
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v from a packed projection, q and k rotated: plain torch, the contract of
-    ``lstrain.ops.rope_qkv`` (:func:`lstrain.ops.rope_qkv_ref`, checked, q and k made contiguous).
+    ``lstrain.ops.rope_qkv`` (:func:`lstrain.ops.rope_qkv_ref`, checked).
 
     Args:
         qkv: ``[batch, seq, (num_heads + 2 * num_kv_heads) * head_dim]``: q's heads, then k's,
@@ -110,7 +110,8 @@ def rope_qkv_torch(
 
     Returns:
         ``(q, k, v)``: q ``[batch, num_heads, seq, head_dim]`` and k ``[batch, num_kv_heads,
-        seq, head_dim]`` rotated and contiguous; v ``[batch, num_kv_heads, seq, head_dim]``, a
+        seq, head_dim]`` rotated, laid out as ``[batch, seq, heads, head_dim]`` (as the
+        elementwise ops leave HF's ``transpose(1, 2)``); v ``[batch, num_kv_heads, seq, head_dim]``, a
         strided view of ``qkv``.
 
     Raises:
@@ -130,8 +131,7 @@ def rope_qkv_torch(
     batch, seq, width = qkv.shape
     # q's heads as rope_torch sees them (k's differ only in the head count, which it does not check)
     _check_rope_args("rope_torch", (batch, num_heads, seq, width // heads), cos, sin)
-    q, k, v = rope_qkv_ref(qkv, cos, sin, num_heads, num_kv_heads, interleaved=interleaved)
-    return q.contiguous(), k.contiguous(), v
+    return rope_qkv_ref(qkv, cos, sin, num_heads, num_kv_heads, interleaved=interleaved)
 
 
 class RotaryAttention(torch.nn.Module):

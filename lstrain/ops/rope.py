@@ -272,6 +272,15 @@ def _empty_dqkv(
     return given.new_empty((batch, seq, (num_heads + 2 * num_kv_heads) * head_dim))
 
 
+def _empty_heads(qkv: torch.Tensor, count: int, head_dim: int) -> torch.Tensor:
+    """An empty [batch, count, seq, head_dim] tensor laid out as [batch, seq, count, head_dim]:
+    the layout of HF's ``view(b, s, h, d).transpose(1, 2)``, which SDPA's cuDNN backend gives
+    its output and wants its output's gradient in, so that the attention output reshapes to
+    [batch, seq, dim] as a view (a contiguous q cost two copies a layer in the LLaMA step)."""
+    batch, seq, _ = qkv.shape
+    return qkv.new_empty((batch, seq, count, head_dim)).transpose(1, 2)
+
+
 def rope_qkv_fwd(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,15 +291,16 @@ def rope_qkv_fwd(
             (qkv's last dim contiguous).
 
     Returns:
-        ``(q, k)``: contiguous [batch, num_heads, seq, head_dim] and [batch, num_kv_heads,
-        seq, head_dim] in qkv's dtype.
+        ``(q, k)``: [batch, num_heads, seq, head_dim] and [batch, num_kv_heads, seq,
+        head_dim] in qkv's dtype, laid out as [batch, seq, heads, head_dim] (see
+        :func:`_empty_heads`).
     """
     batch, seq, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     cos, sin = _per_batch(cos, batch), _per_batch(sin, batch)
     outputs = []
     for first, count in ((0, num_heads), (num_heads, num_kv_heads)):
-        out = qkv.new_empty((batch, count, seq, head_dim))
+        out = _empty_heads(qkv, count, head_dim)
         _launch(_qkv_heads(qkv, first, count, head_dim), cos, sin, out, interleaved, False)
         outputs.append(out)
     return outputs[0], outputs[1]
@@ -352,9 +362,8 @@ def rope_bwd_op(
 def rope_qkv_fwd_op(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seq, width = qkv.shape
-    head_dim = width // (num_heads + 2 * num_kv_heads)
-    return qkv.new_empty((batch, num_heads, seq, head_dim)), qkv.new_empty((batch, num_kv_heads, seq, head_dim))
+    head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    return _empty_heads(qkv, num_heads, head_dim), _empty_heads(qkv, num_kv_heads, head_dim)
 
 
 @kernel_op("rope_qkv_bwd", rope_qkv_bwd)
@@ -514,8 +523,10 @@ def rope_qkv(
 
     Returns:
         ``(q, k, v)``: rotated q [batch, num_heads, seq, head_dim] and k [batch,
-        num_kv_heads, seq, head_dim], contiguous (SDPA's layout), and v, a strided
-        [batch, num_kv_heads, seq, head_dim] view of ``qkv`` (no copy). Backward writes
+        num_kv_heads, seq, head_dim], laid out as [batch, seq, heads, head_dim] (as an HF
+        ``transpose(1, 2)`` is: SDPA then writes its output so that it reshapes to [batch,
+        seq, dim] without a copy), and v, a strided [batch, num_kv_heads, seq, head_dim]
+        view of ``qkv`` (no copy). Backward writes
         the gradient of ``qkv`` in one buffer, each column block once.
 
     Raises:

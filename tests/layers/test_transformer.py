@@ -58,7 +58,7 @@ def test_fused_matches_unfused(norm_first, padding, learned_bias):
     with record_backends() as ran:
         comparisons = check_module(ours, theirs, x, generator=torch.Generator().manual_seed(0))
     ops = {op for op, _ in ran}
-    assert {"layer_norm", "gemm", "bias_dropout_residual"} <= ops
+    assert {"layer_norm", "bias_act_dropout", "bias_dropout_residual"} <= ops
     assert ("attention_softmax" in ops) == learned_bias
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert_all_passed(comparisons)

@@ -297,8 +297,8 @@ def test_rope_qkv_contract():
     qkv = torch.randn(batch_size, seq, (heads + 2 * kv_heads) * head_dim)
     cos, sin = rotary_cos_sin(torch.arange(seq), head_dim, 10000.0, qkv.dtype)
     q, k, v = rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
-    assert q.shape == (batch_size, heads, seq, head_dim) and q.is_contiguous()
-    assert k.shape == v.shape == (batch_size, kv_heads, seq, head_dim) and k.is_contiguous()
+    assert q.shape == (batch_size, heads, seq, head_dim) and q.transpose(1, 2).is_contiguous()
+    assert k.shape == v.shape == (batch_size, kv_heads, seq, head_dim) and k.transpose(1, 2).is_contiguous()
     assert v.data_ptr() == qkv.data_ptr() + (heads + kv_heads) * head_dim * qkv.element_size()  # a view
     split = qkv.view(batch_size, seq, heads + 2 * kv_heads, head_dim).transpose(1, 2)
     torch.testing.assert_close(q, rope_torch(split[:, :heads], cos, sin))
