@@ -22,7 +22,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lstrain import _backend
-from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, attach_grad
+from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, adopt_grads
 
 __all__ = ["FlatOptimizer", "load_gradient_and_weight", "store_weight"]
 
@@ -265,6 +265,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             if p.requires_grad and p.grad is not None:
                 self._flatten()  # a parameter frozen when the optimizer was built trains now
                 return
+        strays = []  # gradients autograd put in new tensors: copied into the flat buffers at once
         for index, buffer in enumerate(self.flat.buffers):
             flags = self._active_host[index]
             versions = self._versions[index]
@@ -276,7 +277,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 grad = p.grad
                 view = buffer.grad_views[slot]
                 if grad is not view and grad is not None:
-                    attach_grad(p, grad, view)
+                    strays.append((p, view))
                 active = grad is not None and p.requires_grad
                 if active is not flags[slot]:
                     flags[slot] = active
@@ -288,6 +289,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                     versions[slot] = p._version
             if changed:
                 self._active[index].copy_(torch.tensor(flags, dtype=torch.float32), non_blocking=True)
+        adopt_grads(strays)
 
     def _sync_hyperparameters(self) -> None:
         """Copy the groups' hyperparameters to the device when a scheduler changed them

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lstrain.optim.base import FlatOptimizer
-from lstrain.optim.flat import FlatParameters, attach_grad
+from lstrain.optim.flat import FlatParameters, adopt_grads
 
 __all__ = ["DataParallel", "check_process_group"]
 
@@ -221,13 +221,15 @@ class DataParallel:
     def _launch(self) -> None:
         bucket = self._buckets[self._next]
         with torch.no_grad():
+            strays = []  # autograd made new tensors: copied into the flat buffer
             for p, view in bucket.params:
                 grad = p.grad
                 if grad is None:
                     view.zero_()  # no gradient on this rank: it adds zero (the view may hold an old one)
                     p.grad = view
                 elif grad is not view:
-                    attach_grad(p, grad, view)  # autograd made a new tensor: into the flat buffer
+                    strays.append((p, view))
+            adopt_grads(strays)
             bucket.grad.div_(self.world_size)
         self._works.append(dist.all_reduce(bucket.grad, group=self.process_group, async_op=True))
         self._next += 1

@@ -16,15 +16,25 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatBuffer", "FlatParameters", "attach_grad"]
+__all__ = ["FlatBuffer", "FlatParameters", "adopt_grads"]
 
 BLOCK = 1024  # every parameter starts at a block boundary: one block, one parameter
 
 
-def attach_grad(p: torch.nn.Parameter, grad: torch.Tensor, view: torch.Tensor) -> None:
-    """Copy ``grad`` into ``p``'s flat view and make that view ``p.grad`` again (a device copy)."""
-    view.copy_(grad)
-    p.grad = view
+def adopt_grads(pairs: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """Copy each parameter's ``.grad`` (a tensor autograd made, after ``zero_grad(set_to_none=
+    True)``) into its flat view and make the view its ``.grad`` again: one multi-tensor copy
+    for all of them, not a launch per parameter.
+
+    Args:
+        pairs: ``(parameter, its view into the flat gradient buffer)``; each ``.grad`` is a
+            tensor other than the view.
+    """
+    if not pairs:
+        return
+    torch._foreach_copy_([view for _, view in pairs], [p.grad for p, _ in pairs])
+    for p, view in pairs:
+        p.grad = view
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -138,11 +148,14 @@ class FlatParameters:
         """Copy each gradient that autograd put in a new tensor (after ``model.zero_grad()``
         or ``p.grad = None``) into the flat buffer and make ``.grad`` its view again; a
         ``.grad`` that is None stays None."""
-        for buffer in self.buffers:
-            for p, view in zip(buffer.params, buffer.grad_views, strict=True):
-                grad = p.grad
-                if grad is not view and grad is not None:
-                    attach_grad(p, grad, view)
+        adopt_grads(
+            [
+                (p, view)
+                for buffer in self.buffers
+                for p, view in zip(buffer.params, buffer.grad_views, strict=True)
+                if p.grad is not view and p.grad is not None
+            ]
+        )
 
     def check_attached(self) -> None:
         """Raise if a parameter's ``.grad`` no longer is its view into the flat buffer (e.g.
