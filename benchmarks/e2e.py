@@ -448,9 +448,13 @@ def _captured(model: torch.nn.Module, workload: Workload, device: torch.device) 
 
 
 def _patched_captured(model: torch.nn.Module, workload: Workload, device: torch.device) -> StepFn:
+    from lstrain.train import CapturedStep
+
     if workload.family == "bert":
         raise Skipped("HF's BertForMaskedLM takes no fixed masked positions: its loss's row gather is not capturable")
-    return _captured(model, workload, device)
+    # HF's mask builders read the device eagerly but not under capture: no sync check
+    step = lstrain_step(model, workload, device, compiled=False)
+    return CapturedStep(step, restore=(), warmup=CAPTURE_WARMUP, check_sync=False)
 
 
 # variants on lstrain's optimizer; the rest: torch's AdamW

@@ -102,10 +102,10 @@ class CapturedStep:
     2. saves the state of the objects in ``restore`` (models, optimizers, loss scalers) and
        torch's RNG to host memory, runs ``warmup`` eager steps on a side stream (lazily
        built state then exists and Triton's kernels are compiled: the graph records
-       steady-state work; the last warm-up step runs with torch's sync check set to raise,
-       so that if the capture fails on a host sync, the error names its line; code that
-       skips its host checks under capture, as Hugging Face's mask builders do, captures
-       as it should), and restores them, so warm-up steps
+       steady-state work; with ``check_sync`` the last warm-up step runs with torch's
+       sync check set to raise, so that a host sync is reported at its line before any
+       capture is tried: a failed capture can leave the CUDA context unusable), and
+       restores them, so warm-up steps
        do not count as training: the first call trains exactly one step, as eager would;
     3. captures one step and replays it.
 
@@ -126,6 +126,10 @@ class CapturedStep:
             steps change (the model, the optimizer, the loss scaler): restored before the
             capture. Pass ``()`` only when warm-up steps may train (a benchmark).
         warmup: eager steps before the capture (>= 1; torch's CUDA-graph docs use 3).
+        check_sync: run the last warm-up step under torch's sync check, raising a
+            CaptureError at a host sync. False for a step whose host syncs happen only
+            outside a capture (Hugging Face's models check their masks on the host unless
+            ``torch.cuda.is_current_stream_capturing()``): the capture is then tried as it is.
         pool: a CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) to share with
             other graphs; default a private one.
 
@@ -154,6 +158,7 @@ class CapturedStep:
         restore: Sequence[Any],
         warmup: int = 3,
         pool: tuple | None = None,
+        check_sync: bool = True,
     ) -> None:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"CapturedStep: warmup must be an int >= 1, got {warmup!r}")
@@ -166,6 +171,7 @@ class CapturedStep:
         self.restore = tuple(restore)
         self.warmup = warmup
         self.pool = pool
+        self.check_sync = bool(check_sync)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._static: list[Any] = []
         self._spec: pytree.TreeSpec | None = None
@@ -218,15 +224,16 @@ class CapturedStep:
         saved = snapshot(self.restore)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup - 1):
-                self.step_fn(*static_batch)
-            sync = self._checked_warmup(static_batch)
-            if sync is not None:
-                # the checked step stopped at the sync: finish a warm-up step without the check
-                self.step_fn(*static_batch)
-        torch.cuda.current_stream().wait_stream(side)
-        rewind(self.restore, saved)
+        try:
+            with torch.cuda.stream(side):
+                for number in range(self.warmup):
+                    if self.check_sync and number == self.warmup - 1:
+                        self._checked_warmup(static_batch)
+                    else:
+                        self.step_fn(*static_batch)
+        finally:  # a warm-up that raised does not count as training either
+            torch.cuda.current_stream().wait_stream(side)
+            rewind(self.restore, saved)
         # the host checks' device work (masters following the rewound weights) happens now,
         # outside the graph, not recorded into it to repeat at every replay
         for optimizer in self._optimizers:
@@ -238,9 +245,6 @@ class CapturedStep:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._output = self.step_fn(*static_batch)
         except RuntimeError as error:
-            if sync is not None:
-                message = f"CapturedStep: the step synchronises with the host ({sync}); {_SYNC_HINT}"
-                raise CaptureError(message) from error
             if "captur" in str(error).lower() or "synchroniz" in str(error).lower():
                 raise CaptureError(f"CapturedStep: the step failed under capture ({error}); {_SYNC_HINT}") from error
             raise
@@ -248,22 +252,24 @@ class CapturedStep:
         self._generations = [getattr(optimizer, "generation", 0) for optimizer in self._optimizers]
         self._hyperparameters = [_plain_hyperparameters(optimizer) for optimizer in self._optimizers]
 
-    def _checked_warmup(self, static_batch: tuple) -> str | None:
-        """One warm-up step with torch's sync check raising; returns where it synchronised
-        (the error and the step's line), or None."""
+    def _checked_warmup(self, static_batch: tuple) -> None:
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
             self.step_fn(*static_batch)
         except RuntimeError as error:
-            if "synchroniz" not in str(error).lower():
-                raise
-            frames = traceback.extract_tb(error.__traceback__)
-            where = next((f for f in reversed(frames) if "/torch/" not in f.filename), frames[-1])
-            return f"{error} at {where.filename}:{where.lineno}: {where.line}"
+            if "synchroniz" in str(error).lower():
+                frames = traceback.extract_tb(error.__traceback__)
+                where = next((f for f in reversed(frames) if "/torch/" not in f.filename), frames[-1])
+                raise CaptureError(
+                    f"CapturedStep: the step synchronises with the host ({error}, at {where.filename}:"
+                    f"{where.lineno}: {where.line}); {_SYNC_HINT}. If that code skips the sync under capture "
+                    "(Hugging Face's mask builders ask torch.cuda.is_current_stream_capturing()), pass "
+                    "check_sync=False"
+                ) from error
+            raise
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-        return None
 
     def _copy_in(self, batch: tuple) -> None:
         leaves, spec = pytree.tree_flatten_with_path(batch)

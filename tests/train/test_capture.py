@@ -168,7 +168,8 @@ def test_a_host_sync_in_the_step_is_a_capture_error():
 @gpu
 def test_a_host_check_skipped_under_capture_captures():
     """Code that reads the device only outside a capture (Hugging Face's mask builders ask
-    ``is_current_stream_capturing``) is captured, and replays as eager steps run."""
+    ``is_current_stream_capturing``) is refused by the sync check, and with
+    ``check_sync=False`` captured, replaying as eager steps run."""
     config = GPT2Config(**SIZES["2x64"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     batches = _batches(config, 3, 2, 64)
     losses = []
@@ -180,7 +181,10 @@ def test_a_host_check_skipped_under_capture_captures():
                 raise AssertionError("negative token ids")
             return step(input_ids, labels)
 
-        run = CapturedStep(checking, restore=(model, opt)) if captured else checking
+        if captured:
+            with pytest.raises(CaptureError, match="pass check_sync=False"):
+                CapturedStep(checking, restore=(model, opt))(*batches[0])
+        run = CapturedStep(checking, restore=(model, opt), check_sync=False) if captured else checking
         losses.append(torch.stack([run(*batch) for batch in batches]))
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
 
