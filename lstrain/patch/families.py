@@ -2,8 +2,8 @@
 
 A family names the exact transformers classes it covers (matched by module and name, so
 that transformers is never imported here), where its LM head is, which loss its own
-forward computes, and the family's own RMSNorm and attention classes whose instances
-``patch`` may swap or route through lstrain. A class outside this table is refused: its
+forward computes, and the family's own RMSNorm, activation and attention classes whose
+instances ``patch`` may swap or route through lstrain. A class outside this table is refused: its
 forward may route labels, heads or losses in ways the patched forward would get wrong.
 
 Mistral and Qwen2 are LLaMA's modules under their own names (transformers generates their
@@ -33,6 +33,10 @@ class Family:
         rms_norms: ``module.QualName`` of the family's RMSNorm classes (weight times the
             input normalised in fp32, eps in ``variance_epsilon``), swapped for
             ``lstrain.nn.RMSNorm``.
+        tanh_gelus: ``module.QualName`` of composite tanh-GELU classes the family's configs
+            select (transformers' ``NewGELUActivation``, GPT-2's ``gelu_new``: seven
+            elementwise kernels forward and their autograd backward), swapped for
+            ``torch.nn.GELU(approximate="tanh")``, the same function in one kernel each way.
         attentions: ``module.QualName`` of the family's rotary attention classes -> where
             its forward takes the ``sliding_window`` it passes to the attention function:
             ``"none"`` (LLaMA passes none), ``"config"`` (``config.sliding_window``, as
@@ -43,8 +47,12 @@ class Family:
     classes: dict[str, str | None]
     loss: str
     rms_norms: tuple[str, ...] = ()
+    tanh_gelus: tuple[str, ...] = ()
     attentions: dict[str, str] = field(default_factory=dict)
 
+
+# transformers' "gelu_new" (GPT-2's default activation_function; a BERT config may name it)
+_NEW_GELU = "transformers.activations.NewGELUActivation"
 
 FAMILIES = (
     Family(
@@ -54,6 +62,7 @@ FAMILIES = (
             "transformers.models.gpt2.modeling_gpt2.GPT2Model": None,
         },
         loss="causal",
+        tanh_gelus=(_NEW_GELU,),
     ),
     Family(
         name="BERT",
@@ -62,6 +71,7 @@ FAMILIES = (
             "transformers.models.bert.modeling_bert.BertModel": None,
         },
         loss="masked",
+        tanh_gelus=(_NEW_GELU,),
     ),
     Family(
         name="LLaMA",

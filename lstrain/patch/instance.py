@@ -3,7 +3,8 @@
 Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family's RMSNorm
 modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
 *same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
-untouched); for a model with an LM head, an instance attribute ``forward`` shadows the
+untouched), and transformers' composite tanh GELU (no parameters) by torch's one-kernel
+``GELU(approximate="tanh")``; for a model with an LM head, an instance attribute ``forward`` shadows the
 class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
 ``lstrain.ops.rope``. The class, every other instance of it and transformers' module
@@ -185,6 +186,19 @@ def _swap_rms_norms(model: torch.nn.Module, family: Family, enabled: bool, state
             report.left_alone.append(LeftAlone(path, "has no 1-d weight and float variance_epsilon to carry over"))
         else:
             _replace(model, path, old, _shared_rms_norm(old), state)
+
+
+def _swap_tanh_gelus(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
+    report = state.report
+    for path, old in list(model.named_modules()):
+        if _type_name(old) not in family.tanh_gelus:
+            continue
+        if not enabled:
+            report.left_alone.append(LeftAlone(path, "activation=False"))
+        elif _has_hooks(old):
+            report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
+        else:
+            _replace(model, path, old, torch.nn.GELU(approximate="tanh"), state)
 
 
 def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str):
@@ -369,6 +383,7 @@ def patch(
     layer_norm: bool = True,
     rms_norm: bool = True,
     rope: bool = True,
+    activation: bool = True,
     cross_entropy: bool = True,
 ) -> PatchReport:
     """Put lstrain's fused modules and loss into a Hugging Face model instance, in place.
@@ -392,6 +407,9 @@ def patch(
         rope: rotate q and k of the family's attention modules through ``lstrain.ops.rope``
             (a module whose forward is not transformers 5.x's is left alone, with the
             reason in the report).
+        activation: replace transformers' composite tanh GELU (``NewGELUActivation``,
+            GPT-2's ``gelu_new``) by ``torch.nn.GELU(approximate="tanh")``: the same function
+            in one kernel each way instead of seven elementwise kernels and their backward.
         cross_entropy: compute the LM-head loss without logits.
 
     Returns:
@@ -402,7 +420,13 @@ def patch(
         RuntimeError: the installed transformers is not a supported major version.
         ValueError: the model is already patched with other options.
     """
-    options = {"layer_norm": layer_norm, "rms_norm": rms_norm, "rope": rope, "cross_entropy": cross_entropy}
+    options = {
+        "layer_norm": layer_norm,
+        "rms_norm": rms_norm,
+        "rope": rope,
+        "activation": activation,
+        "cross_entropy": cross_entropy,
+    }
     state = model.__dict__.get(_STATE)
     if state is not None:
         if state.options != options:
@@ -416,6 +440,7 @@ def patch(
     _swap_layer_norms(model, layer_norm, state)
     _swap_rms_norms(model, family, rms_norm, state)
     _route_rope(model, family, rope, state)
+    _swap_tanh_gelus(model, family, activation, state)
     if head_path is None:
         state.report.left_alone.append(LeftAlone("", f"{type(model).__name__} has no LM head, so no loss to fuse"))
     elif not cross_entropy:

@@ -169,13 +169,35 @@ def test_base_models_patch_layer_norms(build, cls):
     reference = build(getattr(transformers, cls))
     model = copy.deepcopy(reference)
     report = lstrain.patch(model)
-    assert report.swapped and all(s.new_type.endswith("LayerNorm") for s in report.swapped)
+    assert report.swapped and all(s.new_type.endswith(("LayerNorm", ".GELU")) for s in report.swapped)
     assert [item.path for item in report.left_alone] == [""]
     input_ids, _ = _batch(False)
     with torch.no_grad():
         torch.testing.assert_close(
             model(input_ids).last_hidden_state, reference(input_ids).last_hidden_state, **TOLERANCE
         )
+
+
+def test_gpt2s_composite_gelu_becomes_torchs_tanh_gelu():
+    """GPT-2's ``gelu_new`` (transformers' NewGELUActivation: seven elementwise ops) becomes
+    torch's one-kernel tanh GELU, the same function; unpatch and activation=False keep it."""
+    model = _gpt2()
+    originals = [m for m in model.modules() if type(m).__name__ == "NewGELUActivation"]
+    assert len(originals) == 2
+    report = lstrain.patch(model)
+    swapped = [s for s in report.swapped if s.old_type == "transformers.activations.NewGELUActivation"]
+    assert [s.path for s in swapped] == [f"transformer.h.{i}.mlp.act" for i in range(2)]
+    assert all(s.new_type == "torch.nn.modules.activation.GELU" for s in swapped)
+    act = model.transformer.h[0].mlp.act
+    assert isinstance(act, torch.nn.GELU) and act.approximate == "tanh"
+    x = torch.randn(3, 64, device=DEVICE, dtype=torch.float64)
+    torch.testing.assert_close(act(x), originals[0](x), rtol=1e-12, atol=1e-12)
+    lstrain.unpatch(model)
+    assert [m for m in model.modules() if type(m).__name__ == "NewGELUActivation"] == originals
+    report = lstrain.patch(model, activation=False)
+    assert [item.path for item in report.left_alone if item.reason == "activation=False"] == [
+        f"transformer.h.{i}.mlp.act" for i in range(2)
+    ]
 
 
 def test_options_leave_modules_alone():
