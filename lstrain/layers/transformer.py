@@ -21,8 +21,8 @@ class TransformerLayer(torch.nn.Module):
     changes the modules, not the names or shapes, so a state_dict moves between the two.
 
     Fused: :class:`lstrain.nn.LayerNorm`, :class:`SelfAttention` and :class:`MLP` with
-    lstrain's kernels (bias + activation in the GEMM epilogue, bias + dropout + residual
-    in one kernel, masks regenerated from seeds). Unfused: ``nn.LayerNorm``, ``nn.Linear``,
+    lstrain's kernels (cuBLAS GEMMs without their biases, bias + activation in one kernel,
+    bias + dropout + residual in one kernel, masks regenerated from seeds). Unfused: ``nn.LayerNorm``, ``nn.Linear``,
     ``F.gelu``, ``F.dropout`` and SDPA, as a careful PyTorch user would write them.
 
     Args:

@@ -20,9 +20,11 @@ backward recomputes each chunk's logits instead.
 A vocabulary that is not a multiple of 64 (GPT-2's 50257) would give the logits rows that
 are not 16-byte aligned, which sends cuBLAS to its slow unaligned kernels: the weight is
 copied once per call with zero rows appended, and each chunk's logits are a [rows, V] view
-of the padded product (the user's vocabulary, loss and gradients are unchanged). The hidden
-gradient's GEMM then reads the whole padded product, whose extra columns are zeros, against
-the padded weight: its K (the vocabulary) is aligned too.
+of the padded product (the user's vocabulary, loss and gradients are unchanged). For mean
+and sum outside torch.compile the hidden gradient's GEMM then reads the whole padded
+product, whose extra columns are zeros (NaN for a non-finite hidden row, as its loss is),
+against the padded weight: its K (the vocabulary) is aligned too. (``reduction="none"``
+recomputes an unpadded gradient; under torch.compile Inductor pads its own GEMMs.)
 """
 
 from __future__ import annotations

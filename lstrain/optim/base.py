@@ -265,8 +265,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             if p.requires_grad and p.grad is not None:
                 self._flatten()  # a parameter frozen when the optimizer was built trains now
                 return
-        strays = []  # gradients autograd put in new tensors: copied into the flat buffers at once
         for index, buffer in enumerate(self.flat.buffers):
+            strays = []  # gradients autograd put in new tensors: one copy per buffer (one dtype)
             flags = self._active_host[index]
             versions = self._versions[index]
             master = self._masters[index]
@@ -289,7 +289,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                     versions[slot] = p._version
             if changed:
                 self._active[index].copy_(torch.tensor(flags, dtype=torch.float32), non_blocking=True)
-        adopt_grads(strays)
+            adopt_grads(strays)
 
     def _sync_hyperparameters(self) -> None:
         """Copy the groups' hyperparameters to the device when a scheduler changed them

@@ -24,7 +24,8 @@ BLOCK = 1024  # every parameter starts at a block boundary: one block, one param
 def adopt_grads(pairs: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
     """Copy each parameter's ``.grad`` (a tensor autograd made, after ``zero_grad(set_to_none=
     True)``) into its flat view and make the view its ``.grad`` again: one multi-tensor copy
-    for all of them, not a launch per parameter.
+    (torch's fast path takes tensors of one dtype: give one flat buffer's at a time), not a
+    launch per parameter.
 
     Args:
         pairs: ``(parameter, its view into the flat gradient buffer)``; each ``.grad`` is a
@@ -148,14 +149,14 @@ class FlatParameters:
         """Copy each gradient that autograd put in a new tensor (after ``model.zero_grad()``
         or ``p.grad = None``) into the flat buffer and make ``.grad`` its view again; a
         ``.grad`` that is None stays None."""
-        adopt_grads(
-            [
-                (p, view)
-                for buffer in self.buffers
-                for p, view in zip(buffer.params, buffer.grad_views, strict=True)
-                if p.grad is not view and p.grad is not None
-            ]
-        )
+        for buffer in self.buffers:  # one copy per buffer: one dtype, torch's multi-tensor fast path
+            adopt_grads(
+                [
+                    (p, view)
+                    for p, view in zip(buffer.params, buffer.grad_views, strict=True)
+                    if p.grad is not view and p.grad is not None
+                ]
+            )
 
     def check_attached(self) -> None:
         """Raise if a parameter's ``.grad`` no longer is its view into the flat buffer (e.g.

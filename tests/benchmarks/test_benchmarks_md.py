@@ -9,9 +9,9 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
 
-# later runs of some ops (results-<what>.json), the e2e runs (e2e-<what>.json
-# ), the recipe runs (train-<what>.json) and step profiles
-# (profile-<workload>-<variant>.txt), in name order
+# later runs of some ops (results-<what>.json), the e2e runs (e2e-<what>.json), the
+# recipe runs (train-<what>.json) and step profiles (profile-<workload>-<variant>.txt),
+# in name order
 LATER_OPS = sorted(RESULTS.glob("results-*.json"))
 E2E = sorted(RESULTS.glob("e2e*.json"))
 TRAIN = sorted(RESULTS.glob("train*.json"))
