@@ -440,21 +440,19 @@ class Variant:
         return "bf16 params, no master weights" if workload.torch_bf16_params else "fp32 params, bf16 autocast"
 
 
-def _captured(model: torch.nn.Module, workload: Workload, device: torch.device) -> StepFn:
+def _captured(model: torch.nn.Module, workload: Workload, device: torch.device, check_sync: bool = True) -> StepFn:
     from lstrain.train import CapturedStep
 
     # restore=(): the warm-up steps may train here, the batches are random
-    return CapturedStep(lstrain_step(model, workload, device, compiled=False), restore=(), warmup=CAPTURE_WARMUP)
+    step = lstrain_step(model, workload, device, compiled=False)
+    return CapturedStep(step, restore=(), warmup=CAPTURE_WARMUP, check_sync=check_sync)
 
 
 def _patched_captured(model: torch.nn.Module, workload: Workload, device: torch.device) -> StepFn:
-    from lstrain.train import CapturedStep
-
     if workload.family == "bert":
         raise Skipped("HF's BertForMaskedLM takes no fixed masked positions: its loss's row gather is not capturable")
     # HF's mask builders read the device eagerly but not under capture: no sync check
-    step = lstrain_step(model, workload, device, compiled=False)
-    return CapturedStep(step, restore=(), warmup=CAPTURE_WARMUP, check_sync=False)
+    return _captured(model, workload, device, check_sync=False)
 
 
 # variants on lstrain's optimizer; the rest: torch's AdamW

@@ -134,8 +134,8 @@ class CapturedStep:
             other graphs; default a private one.
 
     Raises:
-        ValueError: ``warmup`` < 1, or an object in ``restore`` without ``state_dict`` /
-            ``load_state_dict``.
+        ValueError: ``warmup`` < 1, ``check_sync`` not a bool, or an object in ``restore``
+            without ``state_dict`` / ``load_state_dict``.
 
     Example::
 
@@ -162,6 +162,8 @@ class CapturedStep:
     ) -> None:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"CapturedStep: warmup must be an int >= 1, got {warmup!r}")
+        if not isinstance(check_sync, bool):
+            raise ValueError(f"CapturedStep: check_sync must be a bool, got {check_sync!r}")
         for item in restore:
             if not (callable(getattr(item, "state_dict", None)) and callable(getattr(item, "load_state_dict", None))):
                 raise ValueError(
@@ -171,7 +173,7 @@ class CapturedStep:
         self.restore = tuple(restore)
         self.warmup = warmup
         self.pool = pool
-        self.check_sync = bool(check_sync)
+        self.check_sync = check_sync
         self.graph: torch.cuda.CUDAGraph | None = None
         self._static: list[Any] = []
         self._spec: pytree.TreeSpec | None = None

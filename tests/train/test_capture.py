@@ -25,6 +25,8 @@ class _Stateless:
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="warmup must be an int >= 1"):
         CapturedStep(lambda: None, restore=(), warmup=0)
+    with pytest.raises(ValueError, match="check_sync must be a bool, got 'no'"):
+        CapturedStep(lambda: None, restore=(), check_sync="no")
     with pytest.raises(ValueError, match="restore holds a _Stateless"):
         CapturedStep(lambda: None, restore=(_Stateless(),))
 
