@@ -174,6 +174,19 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.generation = self.__dict__.get("generation", -1) + 1
         for p in detached:
             p.grad = None  # a parameter without a gradient keeps having none
+        self._allocate_state([(0, buffer.data.numel()) for buffer in self.flat.buffers])
+        with torch.no_grad():
+            for p, state in saved.items():
+                self._restore(p, state)
+        self._versions = [[p._version for p in buffer.params] for buffer in self.flat.buffers]
+        self._attach_state()
+        self._check_params()
+
+    def _allocate_state(self, spans: list[tuple[int, int]]) -> None:
+        """The state over ``spans``, the ``(start, end)`` this optimizer updates of each flat
+        buffer (whole buffers; a ZeRO rank's shards): fp32 masters of 16-bit parameters, the
+        ``STATE`` moments, per-parameter step counts and "has a gradient" flags, and the
+        parameter lookups."""
         device = self.flat.device
         self._backend = _backend.backend_for(torch.empty(0, device=device))
         self._masters: list[torch.Tensor | None] = []
@@ -183,10 +196,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._active_host: list[list[bool]] = []
         blocks = [buffer.data.numel() // BLOCK for buffer in self.flat.buffers]
         self._partials = torch.zeros(sum(blocks), dtype=torch.float32, device=device)
-        for buffer in self.flat.buffers:
-            self._masters.append(buffer.data.float() if buffer.dtype != torch.float32 else None)
+        for buffer, (start, end) in zip(self.flat.buffers, spans, strict=True):
+            self._masters.append(buffer.data[start:end].float() if buffer.dtype != torch.float32 else None)
             for key in self.STATE:
-                self._buffers[key].append(torch.zeros_like(buffer.data, dtype=torch.float32))
+                self._buffers[key].append(torch.zeros(end - start, dtype=torch.float32, device=device))
             self._steps.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
             self._active_host.append([False] * len(buffer.params))
             self._active.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
@@ -194,12 +207,6 @@ class FlatOptimizer(torch.optim.Optimizer):
                 _OWNERS[p] = weakref.ref(self)
         self._where = {id(p): (i, slot) for i, b in enumerate(self.flat.buffers) for slot, p in enumerate(b.params)}
         self._outside = [p for g in self.param_groups for p in g["params"] if id(p) not in self._where]
-        with torch.no_grad():
-            for p, state in saved.items():
-                self._restore(p, state)
-        self._versions = [[p._version for p in buffer.params] for buffer in self.flat.buffers]
-        self._attach_state()
-        self._check_params()
 
     def _locate(self, p: torch.nn.Parameter) -> tuple[int, int, slice]:
         """(buffer index, slot, flat range) of a parameter in the flat buffers."""

@@ -20,7 +20,6 @@ the fp32 state (master weights, ``exp_avg``, ``exp_avg_sq``) exists for its own 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from lstrain import _backend
 from lstrain.optim.adamw import FusedAdamW, _adamw_kernel
-from lstrain.optim.base import _OWNERS, _rounds_to, _sum_squares_kernel
+from lstrain.optim.base import _rounds_to, _sum_squares_kernel
 from lstrain.optim.distributed import _global_rank, broadcast_flat, check_process_group
 from lstrain.optim.flat import BLOCK, FlatParameters
 
@@ -124,32 +123,15 @@ class ZeroAdamW(FusedAdamW):
                 "before importing lstrain) or a CUDA device; the update is a Triton kernel"
             )
         self.flat = FlatParameters(groups, pad_to=self.world_size * BLOCK)
-        device = self.flat.device
         self.generation = 0
-        self._backend = _backend.backend_for(torch.empty(0, device=device))
         self.shards: list[tuple[int, int]] = []  # (start, end) of this rank's shard of each buffer
         self._used_blocks: list[int] = []  # blocks before the padding, as one process's FusedAdamW has
-        self._masters, self._buffers = [], {key: [] for key in self.STATE}
-        self._steps, self._active, self._active_host = [], [], []
-        blocks = [buffer.data.numel() // BLOCK for buffer in self.flat.buffers]
-        self._partials = torch.zeros(sum(blocks), dtype=torch.float32, device=device)
         for buffer in self.flat.buffers:
             shard = buffer.data.numel() // self.world_size
-            start, end = self.rank * shard, (self.rank + 1) * shard
-            self.shards.append((start, end))
+            self.shards.append((self.rank * shard, (self.rank + 1) * shard))
             last = buffer.params[-1]
             self._used_blocks.append(-(-(buffer.offsets[-1] + last.numel()) // BLOCK))
-            data = buffer.data[start:end]
-            self._masters.append(data.float() if buffer.dtype != torch.float32 else None)
-            for key in self.STATE:
-                self._buffers[key].append(torch.zeros(end - start, dtype=torch.float32, device=device))
-            self._steps.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
-            self._active_host.append([False] * len(buffer.params))
-            self._active.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
-            for p in buffer.params:
-                _OWNERS[p] = weakref.ref(self)
-        self._where = {id(p): (i, slot) for i, b in enumerate(self.flat.buffers) for slot, p in enumerate(b.params)}
-        self._outside = [p for g in self.param_groups for p in g["params"] if id(p) not in self._where]
+        self._allocate_state(self.shards)
         self._versions = [[p._version for p in buffer.params] for buffer in self.flat.buffers]
         self._attach_state()
         self._check_params()
