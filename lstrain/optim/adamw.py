@@ -3,7 +3,11 @@
 Parameters live in :class:`~lstrain.optim.flat.FlatParameters` buffers. Each 16-bit
 buffer gets an fp32 master copy; the Adam moments are fp32. One launch per dtype reads
 grad, master and moments once, applies the global grad-norm clip factor, updates them,
-and writes the master and the model's own (bf16/fp16/fp32) parameters. The learning
+and writes the master and the model's own (bf16/fp16/fp32) parameters. With
+``master_weights=False`` and ``state_dtype=torch.bfloat16`` a bf16 parameter costs 8 bytes
+of weight, gradient and state instead of 16, and a step moves half the bytes: the update
+is computed in fp32 and rounded stochastically into the bf16 weight and moments
+(:mod:`lstrain.optim.rounding`). The learning
 rates, betas, eps, weight decays and each parameter's step count and "has a gradient" flag
 are device tensors, so a step never synchronises with the host and can be captured in a
 CUDA graph.
@@ -18,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_weight
+from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
 from lstrain.optim.flat import BLOCK
+from lstrain.optim.rounding import rounding_key
 
 __all__ = ["FusedAdamW"]
 
@@ -39,9 +44,13 @@ def _adamw_kernel(
     grad_factor_ptr,
     skip_ptr,
     groups,
+    seed,
+    rng_offset,
     HAS_MASTER: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     CAN_SKIP: tl.constexpr,
+    ROUND_WEIGHT: tl.constexpr,
+    ROUND_STATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -74,16 +83,18 @@ def _adamw_kernel(
     # AdamW shrinks the weight, Adam adds the decay to the gradient (one of the two terms is 0)
     g = g + coupled_decay * w
     w = w * shrink
-    m = tl.load(exp_avg_ptr + offsets, mask=write, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=write, other=0.0)
+    m = tl.load(exp_avg_ptr + offsets, mask=write, other=0.0).to(tl.float32)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=write, other=0.0).to(tl.float32)
     m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
     v = v * beta2 + one_minus_beta2 * g * g
     # correctly rounded sqrt and divisions, as torch's (Triton's defaults approximate them)
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     w = w - step_size * tl.div_rn(m, denom)
-    tl.store(exp_avg_ptr + offsets, m, mask=write)
-    tl.store(exp_avg_sq_ptr + offsets, v, mask=write)
-    store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER)
+    key = rounding_key(seed, step)
+    first = rng_offset + pid.to(tl.int64) * BLOCK
+    store_state(exp_avg_ptr, offsets, m, write, key, first, 1, ROUND_STATE, BLOCK)
+    store_state(exp_avg_sq_ptr, offsets, v, write, key, first, 2, ROUND_STATE, BLOCK)
+    store_weight(param_ptr, master_ptr, offsets, w, write, key, first, HAS_MASTER, ROUND_WEIGHT, BLOCK)
 
 
 class FusedAdamW(FlatOptimizer):
@@ -98,6 +109,18 @@ class FusedAdamW(FlatOptimizer):
             the norm is one reduction per dtype and the factor is applied inside the update.
         decoupled: False gives Adam with L2 weight decay added to the gradient (the groups'
             default ``decoupled_weight_decay``).
+        master_weights: True (default): an fp32 master copy of each bf16 / fp16 parameter
+            takes the update, and the parameter is its rounding to nearest. False: no copy
+            (4 bytes per parameter less); the fp32 update of a bf16 parameter is rounded
+            stochastically into it, so that updates below half a bf16 unit are kept on
+            average instead of lost (torch's AdamW on bf16 parameters loses them); fp16
+            parameters are refused.
+        state_dtype: the moments' dtype: torch.float32 (default) or torch.bfloat16
+            (4 bytes per parameter less; rounded stochastically: under rounding to nearest
+            a bf16 second moment does not decay by beta2 = 0.999 at all).
+        rounding_seed: the seed of the stochastic rounding's random numbers (an int in
+            [0, 2**31 - 1024)), together with each parameter's step count; the same on
+            every rank that updates a replica (the default, 0, is).
 
     The parameters are moved into flat buffers when the optimizer is built (their
     ``.data`` and ``.grad`` become views); the model behaves exactly as before. Build the
@@ -113,8 +136,10 @@ class FusedAdamW(FlatOptimizer):
 
     Raises:
         ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1),
-            max_grad_norm <= 0, amsgrad / maximize / differentiable, parameters on several
-            devices, a non-float parameter, or no parameter that requires grad.
+            max_grad_norm <= 0, amsgrad / maximize / differentiable, a bad
+            ``master_weights`` / ``state_dtype`` / ``rounding_seed``, fp16 parameters without
+            master weights, parameters on several devices, a non-float parameter, or no
+            parameter that requires grad.
     """
 
     HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled_weight_decay")
@@ -131,6 +156,9 @@ class FusedAdamW(FlatOptimizer):
         *,
         max_grad_norm: float | None = None,
         decoupled: bool = True,
+        master_weights: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -139,7 +167,10 @@ class FusedAdamW(FlatOptimizer):
             "weight_decay": weight_decay,
             "decoupled_weight_decay": decoupled,
         }
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(
+            params, defaults, max_grad_norm, master_weights=master_weights, state_dtype=state_dtype,
+            rounding_seed=rounding_seed,
+        )  # fmt: skip
 
     @staticmethod
     def _betas(group: dict) -> tuple[float, float]:
@@ -190,4 +221,5 @@ class FusedAdamW(FlatOptimizer):
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,
             num_warps=4,
+            **self._rounding(index),
         )  # fmt: skip

@@ -1,6 +1,7 @@
 """What the flat-buffer optimizers share: buffers, device-side hyperparameters and step
-counts, fp32 master weights, state in torch's layout, the fused clip / overflow factor, and
-the host-side checks that keep the buffers and the model in step.
+counts, fp32 master weights (or none, with stochastic rounding into bf16: ``rounding.py``),
+state in torch's layout, the fused clip / overflow factor, and the host-side checks that
+keep the buffers and the model in step.
 
 Every ``step()`` first walks the parameters on the host (identity and pointer checks, no
 device sync): a ``.grad`` that autograd put in a new tensor (after ``model.zero_grad()`` or
@@ -23,8 +24,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lstrain import _backend
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, adopt_grads
+from lstrain.optim.rounding import random_halves, round_to_bf16
 
-__all__ = ["FlatOptimizer", "load_gradient_and_weight", "store_weight"]
+__all__ = ["FlatOptimizer", "load_gradient_and_weight", "store_state", "store_weight"]
+
+_MAX_SEED = 2**31 - 2**10  # a rounding seed plus a buffer index stays a 32-bit Philox key half
 
 # The optimizer whose flat buffers hold each parameter now, so that an optimizer whose
 # parameters were taken by a later one over the same parameters can say so.
@@ -66,11 +70,37 @@ def load_gradient_and_weight(
 
 
 @triton.jit
-def store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER: tl.constexpr):
-    """Write the fp32 weight to the master copy (if any) and, rounded, to the parameter."""
+def store_weight(
+    param_ptr,
+    master_ptr,
+    offsets,
+    w,
+    write,
+    key,
+    first,
+    HAS_MASTER: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write the fp32 weight to the master copy (if any) and, rounded, to the parameter:
+    stochastically (random stream 0) where ``ROUND`` (a bf16 parameter without a master)."""
     if HAS_MASTER:
         tl.store(master_ptr + offsets, w, mask=write)
-    tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
+    if ROUND:
+        tl.store(param_ptr + offsets, round_to_bf16(w, random_halves(key, first, 0, BLOCK)), mask=write)
+    else:
+        tl.store(param_ptr + offsets, w.to(param_ptr.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def store_state(
+    state_ptr, offsets, value, write, key, first, stream: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Write one fp32 per-element state (a moment): rounded stochastically to bf16 with random
+    stream ``stream`` where ``ROUND`` (the state is bf16), else as it is (fp32)."""
+    if ROUND:
+        value = round_to_bf16(value, random_halves(key, first, stream, BLOCK))
+    tl.store(state_ptr + offsets, value, mask=write)
 
 
 @triton.jit
@@ -98,7 +128,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     """Base of :class:`~lstrain.optim.FusedAdamW` and :class:`~lstrain.optim.FusedSGD`.
 
     Subclasses name their per-group hyperparameters (``HYPER``, read from a group by
-    :meth:`_hyper_of`), their fp32 per-element state (``STATE``), the torch options they do
+    :meth:`_hyper_of`), their per-element state (``STATE``; fp32, or bf16 with
+    ``state_dtype``), the torch options they do
     not implement (``UNSUPPORTED``), check a group (:meth:`_check_group`), convert one
     parameter's state from and to torch's layout (:meth:`_import_state`,
     :meth:`_export_state`) and launch their update kernel (:meth:`_launch`), one launch per
@@ -117,13 +148,36 @@ class FlatOptimizer(torch.optim.Optimizer):
     STATE: tuple[str, ...] = ()
     UNSUPPORTED: tuple[str, ...] = ("maximize", "differentiable")
 
-    def __init__(self, params: Iterable, defaults: dict, max_grad_norm: float | None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        max_grad_norm: float | None,
+        *,
+        master_weights: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
+    ) -> None:
         super().__init__(params, defaults)
         name = type(self).__name__
         for group in self.param_groups:
             self._check_group(group)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"{name}: max_grad_norm must be > 0, got {max_grad_norm}")
+        if not isinstance(master_weights, bool):
+            raise ValueError(f"{name}: master_weights must be True or False, got {master_weights!r}")
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"{name}: state_dtype must be torch.float32 or torch.bfloat16 (rounded stochastically), got "
+                f"{state_dtype!r}"
+            )
+        if not (isinstance(rounding_seed, int) and not isinstance(rounding_seed, bool)) or not (
+            0 <= rounding_seed < _MAX_SEED
+        ):
+            raise ValueError(f"{name}: rounding_seed must be an int in [0, {_MAX_SEED}), got {rounding_seed!r}")
+        self.master_weights = master_weights
+        self.state_dtype = state_dtype
+        self.rounding_seed = rounding_seed
         if not any(p.requires_grad for group in self.param_groups for p in group["params"]):
             raise ValueError(f"{name}: no parameter requires grad")
         self.max_grad_norm = max_grad_norm
@@ -170,6 +224,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 f"{name}: parameters on {next(iter(devices))} need the Triton interpreter (TRITON_INTERPRET=1 "
                 "before importing lstrain) or a CUDA device; the update is a Triton kernel"
             )
+        self._check_dtypes(groups)
         self.flat = FlatParameters(groups)
         self.generation = self.__dict__.get("generation", -1) + 1
         for p in detached:
@@ -182,11 +237,23 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._attach_state()
         self._check_params()
 
+    def _check_dtypes(self, groups: list[list[torch.nn.Parameter]]) -> None:
+        """Refuse fp16 parameters without master weights: stochastic rounding is to bf16.
+
+        Raises:
+            ValueError: an fp16 parameter and ``master_weights=False``.
+        """
+        if not self.master_weights and any(p.dtype == torch.float16 for group in groups for p in group):
+            raise ValueError(
+                f"{type(self).__name__}: master_weights=False rounds updates stochastically into bf16 or keeps fp32 "
+                "parameters; float16 parameters (5 exponent bits: updates underflow) need master_weights=True"
+            )
+
     def _allocate_state(self, spans: list[tuple[int, int]]) -> None:
         """The state over ``spans``, the ``(start, end)`` this optimizer updates of each flat
-        buffer (whole buffers; a ZeRO rank's shards): fp32 masters of 16-bit parameters, the
-        ``STATE`` moments, per-parameter step counts and "has a gradient" flags, and the
-        parameter lookups."""
+        buffer (whole buffers; a ZeRO rank's shards): fp32 masters of 16-bit parameters
+        (with ``master_weights``), the ``STATE`` moments in ``state_dtype``, per-parameter
+        step counts and "has a gradient" flags, and the parameter lookups."""
         device = self.flat.device
         self._backend = _backend.backend_for(torch.empty(0, device=device))
         self._masters: list[torch.Tensor | None] = []
@@ -197,9 +264,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         blocks = [buffer.data.numel() // BLOCK for buffer in self.flat.buffers]
         self._partials = torch.zeros(sum(blocks), dtype=torch.float32, device=device)
         for buffer, (start, end) in zip(self.flat.buffers, spans, strict=True):
-            self._masters.append(buffer.data[start:end].float() if buffer.dtype != torch.float32 else None)
+            has_master = self.master_weights and buffer.dtype != torch.float32
+            self._masters.append(buffer.data[start:end].float() if has_master else None)
             for key in self.STATE:
-                self._buffers[key].append(torch.zeros(end - start, dtype=torch.float32, device=device))
+                self._buffers[key].append(torch.zeros(end - start, dtype=self.state_dtype, device=device))
             self._steps.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
             self._active_host.append([False] * len(buffer.params))
             self._active.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
@@ -207,6 +275,20 @@ class FlatOptimizer(torch.optim.Optimizer):
                 _OWNERS[p] = weakref.ref(self)
         self._where = {id(p): (i, slot) for i, b in enumerate(self.flat.buffers) for slot, p in enumerate(b.params)}
         self._outside = [p for g in self.param_groups for p in g["params"] if id(p) not in self._where]
+
+    def _rounding(self, index: int, start: int = 0) -> dict:
+        """The update kernels' stochastic-rounding arguments for flat buffer ``index``, from
+        its element ``start`` (a ZeRO shard's first): the seed (one per buffer), where the
+        launch starts in the buffer (the random counters are the whole buffer's, so a shard
+        rounds as one process would), and whether the weights (bf16 without a master) and
+        the state (bf16) are rounded."""
+        buffer = self.flat.buffers[index]
+        return {
+            "seed": self.rounding_seed + index,
+            "rng_offset": start,
+            "ROUND_WEIGHT": self._masters[index] is None and buffer.dtype == torch.bfloat16,
+            "ROUND_STATE": self.state_dtype == torch.bfloat16,
+        }
 
     def _locate(self, p: torch.nn.Parameter) -> tuple[int, int, slice]:
         """(buffer index, slot, flat range) of a parameter in the flat buffers."""
@@ -466,8 +548,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout: the groups, and per parameter that has taken a step its own state
         (for AdamW a CPU float32 ``step`` and the moments; for SGD ``momentum_buffer``), plus
-        ``master_param`` for 16-bit parameters (torch's optimizers ignore it). The moments
-        are views of the live fp32 buffers, as torch's state dicts hold the live tensors.
+        ``master_param`` for 16-bit parameters with master weights (torch's optimizers
+        ignore it). The moments are views of the live buffers (fp32, or bf16 with
+        ``state_dtype``), as torch's state dicts hold the live tensors.
 
         Returns:
             A dict that ``torch.optim.AdamW`` / ``SGD`` and this class load.

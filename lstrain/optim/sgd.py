@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_weight
+from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
 from lstrain.optim.flat import BLOCK
+from lstrain.optim.rounding import rounding_key
 
 __all__ = ["FusedSGD"]
 
@@ -29,9 +30,13 @@ def _sgd_kernel(
     grad_factor_ptr,
     skip_ptr,
     groups,
+    seed,
+    rng_offset,
     HAS_MASTER: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     CAN_SKIP: tl.constexpr,
+    ROUND_WEIGHT: tl.constexpr,
+    ROUND_STATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -44,7 +49,8 @@ def _sgd_kernel(
     one_minus_dampening = (1.0 - tl.load(hyper_ptr + 2 * groups + group)).to(tl.float32)
     weight_decay = tl.load(hyper_ptr + 3 * groups + group).to(tl.float32)
     nesterov = tl.load(hyper_ptr + 4 * groups + group)
-    first = tl.load(step_ptr + slot) == 1.0
+    step = tl.load(step_ptr + slot)
+    first_step = step == 1.0
     active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g, w, write = load_gradient_and_weight(
@@ -53,13 +59,15 @@ def _sgd_kernel(
     )  # fmt: skip
     g = g + weight_decay * w
     # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
-    buf = tl.load(momentum_ptr + offsets, mask=write, other=0.0)
-    buf = tl.where(first, g, momentum * buf + one_minus_dampening * g)
+    buf = tl.load(momentum_ptr + offsets, mask=write, other=0.0).to(tl.float32)
+    buf = tl.where(first_step, g, momentum * buf + one_minus_dampening * g)
     update = tl.where(nesterov != 0.0, g + momentum * buf, buf)
     update = tl.where(momentum == 0.0, g, update)
     w = w - lr * update
-    tl.store(momentum_ptr + offsets, buf, mask=write)
-    store_weight(param_ptr, master_ptr, offsets, w, write, HAS_MASTER)
+    key = rounding_key(seed, step)
+    first = rng_offset + pid.to(tl.int64) * BLOCK
+    store_state(momentum_ptr, offsets, buf, write, key, first, 1, ROUND_STATE, BLOCK)
+    store_weight(param_ptr, master_ptr, offsets, w, write, key, first, HAS_MASTER, ROUND_WEIGHT, BLOCK)
 
 
 class FusedSGD(FlatOptimizer):
@@ -69,13 +77,16 @@ class FusedSGD(FlatOptimizer):
     ``dampening``, ``weight_decay`` and ``nesterov``), plus ``max_grad_norm`` as in
     :class:`~lstrain.optim.FusedAdamW`, whose notes on moved models, parameters without
     gradients and ``zero_grad`` hold here too. 16-bit parameters get fp32 master weights;
-    the momentum buffer is fp32. The state dict is torch's (``momentum_buffer`` per
-    parameter that took a step in a group with momentum).
+    the momentum buffer is fp32. ``master_weights``, ``state_dtype`` (the momentum
+    buffer's) and ``rounding_seed`` as in FusedAdamW: bf16 without masters, rounded
+    stochastically. The state dict is torch's (``momentum_buffer`` per parameter that took
+    a step in a group with momentum).
 
     Raises:
         ValueError: lr < 0, momentum or dampening outside [0, 1], weight_decay < 0,
-            nesterov without momentum or with dampening, maximize / differentiable, bad
-            parameters, or no parameter that requires grad.
+            nesterov without momentum or with dampening, maximize / differentiable, a bad
+            ``master_weights`` / ``state_dtype`` / ``rounding_seed``, fp16 parameters without
+            master weights, bad parameters, or no parameter that requires grad.
     """
 
     HYPER = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
@@ -91,6 +102,9 @@ class FusedSGD(FlatOptimizer):
         nesterov: bool = False,
         *,
         max_grad_norm: float | None = None,
+        master_weights: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -99,7 +113,10 @@ class FusedSGD(FlatOptimizer):
             "weight_decay": weight_decay,
             "nesterov": nesterov,
         }
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(
+            params, defaults, max_grad_norm, master_weights=master_weights, state_dtype=state_dtype,
+            rounding_seed=rounding_seed,
+        )  # fmt: skip
 
     def _hyper_of(self, group: dict) -> tuple[float, ...]:
         return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], float(group["nesterov"]))
@@ -148,4 +165,5 @@ class FusedSGD(FlatOptimizer):
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,
             num_warps=4,
+            **self._rounding(index),
         )  # fmt: skip

@@ -1,9 +1,9 @@
-"""ZeRO-1: AdamW whose fp32 master weights and moments are sharded over a process group.
+"""ZeRO-1: AdamW whose master weights and moments are sharded over a process group.
 
 :class:`ZeroAdamW` is :class:`~lstrain.optim.FusedAdamW` whose flat buffers are padded to a
 multiple of ``world size * BLOCK`` elements and split into equal, block-aligned shards,
 one per rank. Every rank keeps the whole 16-bit parameters and gradients (ZeRO stage 1);
-the fp32 state (master weights, ``exp_avg``, ``exp_avg_sq``) exists for its own shard only,
+the optimizer state (master weights, ``exp_avg``, ``exp_avg_sq``) exists for its own shard only,
 1/world of the total. A step:
 
 1. divides the local gradients by the world size and reduce-scatters each flat gradient
@@ -79,6 +79,9 @@ class ZeroAdamW(FusedAdamW):
         *,
         max_grad_norm: float | None = None,
         decoupled: bool = True,
+        master_weights: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
         process_group=None,
         broadcast_from: int | None = 0,
     ) -> None:
@@ -89,7 +92,8 @@ class ZeroAdamW(FusedAdamW):
         self.rank = dist.get_rank(process_group)
         self._reduced = False
         super().__init__(
-            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled=decoupled
+            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled=decoupled,
+            master_weights=master_weights, state_dtype=state_dtype, rounding_seed=rounding_seed,
         )  # fmt: skip
         if broadcast_from is not None:
             broadcast_flat(self.flat, broadcast_from, process_group)
@@ -122,6 +126,7 @@ class ZeroAdamW(FusedAdamW):
                 f"{name}: parameters on {next(iter(devices))} need the Triton interpreter (TRITON_INTERPRET=1 "
                 "before importing lstrain) or a CUDA device; the update is a Triton kernel"
             )
+        self._check_dtypes(groups)
         self.flat = FlatParameters(groups, pad_to=self.world_size * BLOCK)
         self.generation = 0
         self.shards: list[tuple[int, int]] = []  # (start, end) of this rank's shard of each buffer
@@ -151,7 +156,7 @@ class ZeroAdamW(FusedAdamW):
         return slice(lo - span.start, hi - span.start), slice(lo - start, hi - start)
 
     def state_numel(self) -> int:
-        """fp32 elements of optimizer state on this rank (master weights and moments)."""
+        """Elements of optimizer state on this rank (master weights and moments)."""
         tensors = [t for key in self.STATE for t in self._buffers[key]] + [m for m in self._masters if m is not None]
         return sum(t.numel() for t in tensors)
 
@@ -263,6 +268,7 @@ class ZeroAdamW(FusedAdamW):
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,
             num_warps=4,
+            **self._rounding(index, start),
         )  # fmt: skip
         _all_gather(buffer.data, buffer.data[start:end], group=self.process_group)
         # the gather writes the parameters in place: not a write from outside
@@ -311,7 +317,7 @@ class ZeroAdamW(FusedAdamW):
                 if shard is None:
                     full[key].append(None)
                     continue
-                out = torch.empty(buffer.data.numel(), dtype=torch.float32, device=shard.device) if root else None
+                out = torch.empty(buffer.data.numel(), dtype=shard.dtype, device=shard.device) if root else None
                 chunks = list(out.chunk(self.world_size)) if root else None
                 dist.gather(shard, chunks, dst=_global_rank(self.process_group, 0), group=self.process_group)
                 full[key].append(out.cpu() if root else None)

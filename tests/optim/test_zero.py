@@ -144,12 +144,34 @@ def _scaled(rank, results):
     results["scaled_steps"] = [optimizer.state[p]["step"].clone() for p in model.parameters()]
 
 
+ROUNDED = {"lr": 1e-2, "weight_decay": 0.1, "master_weights": False, "state_dtype": torch.bfloat16}
+
+
+def _rounded_steps(optimizer, model, rank):
+    """Three steps of a bf16 model on the same batch on every rank (the mean gradient is then
+    each rank's own, exactly), for a stochastically rounded optimizer."""
+    for step in range(3):
+        optimizer.zero_grad()
+        _loss(model, step, 0, torch.bfloat16).backward()
+        optimizer.step()
+    return _params(model), [optimizer.state[p] for p in model.parameters()]
+
+
+def _rounded(rank, results):
+    """bf16 weights and moments rounded stochastically, no master shards."""
+    model = _model(torch.bfloat16)
+    optimizer = ZeroAdamW(model.parameters(), **ROUNDED)
+    results["rounded_state_numel"] = optimizer.state_numel()
+    results["rounded_params"], _ = _rounded_steps(optimizer, model, rank)
+
+
 def _worker(rank, world, init_file, out_dir, reference_path):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     out = Path(out_dir)
     results = {}
     _train(rank, world, out, results, reference_path)
     _scaled(rank, results)
+    _rounded(rank, results)
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -269,3 +291,15 @@ def test_needs_an_initialized_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ZeroAdamW(_model().parameters())
+
+
+def test_stochastic_rounding_matches_one_process(run):
+    """The random counters are the whole buffer's: a shard rounds as one process does."""
+    world, ranks, _, _ = run
+    model = _model(torch.bfloat16)
+    single = FusedAdamW(model.parameters(), **ROUNDED)
+    want, _ = _rounded_steps(single, model, 0)
+    padded = sum(ranks[0]["numels"])  # one buffer, as the fp32 model's
+    for r in ranks:
+        assert _same(r["rounded_params"], want)
+        assert r["rounded_state_numel"] == 2 * padded // world  # the two bf16 moments, no master

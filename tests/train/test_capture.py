@@ -38,10 +38,10 @@ def test_without_cuda_the_first_call_says_so():
         step(torch.zeros(2))
 
 
-def _setup(config: GPT2Config, dtype: torch.dtype, seed: int = 0, lr: float = 1e-3):
+def _setup(config: GPT2Config, dtype: torch.dtype, seed: int = 0, lr: float = 1e-3, **optimizer_options):
     torch.manual_seed(seed)
     model = GPT2(config).to("cuda", dtype).train()
-    opt = FusedAdamW(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0)
+    opt = FusedAdamW(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0, **optimizer_options)
 
     def step(input_ids, labels):
         opt.zero_grad()
@@ -73,16 +73,25 @@ SIZES = {
 }
 
 
+PRECISIONS = {  # parameter dtype, optimizer options
+    "fp32": (torch.float32, {}),
+    "bf16": (torch.bfloat16, {}),
+    "bf16 rounded, no masters": (torch.bfloat16, {"master_weights": False, "state_dtype": torch.bfloat16}),
+}
+
+
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("size", list(SIZES))
-def test_captured_steps_are_the_eager_steps(size, dtype):
+def test_captured_steps_are_the_eager_steps(size, precision):
     """Six steps captured and six taken eagerly from the same start give the same losses
-    and weights: the warm-up is undone, each replay sees its batch and its new lr."""
+    and weights: the warm-up is undone, each replay sees its batch and its new lr (and,
+    rounding stochastically, the random numbers of its step count)."""
+    dtype, options = PRECISIONS[precision]
     config = GPT2Config(**SIZES[size], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     batches = _batches(config, 6, 2, 128)
-    model, opt, eager_step = _setup(config, dtype)
-    twin, twin_opt, twin_step = _setup(config, dtype)
+    model, opt, eager_step = _setup(config, dtype, **options)
+    twin, twin_opt, twin_step = _setup(config, dtype, **options)
     captured = CapturedStep(twin_step, restore=(twin, twin_opt))
     expected, got = [], []
     for number, batch in enumerate(batches):
