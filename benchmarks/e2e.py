@@ -23,12 +23,15 @@ as in Hugging Face, or for BERT the tokens at 15% of the positions). The workloa
     Liger-Kernel's patch for the family, where Liger has one (else a row says why it was
     skipped); ``lstrain-patch`` the same with ``lstrain.patch(model)``, and
     ``lstrain-patch-captured`` the patched model on lstrain's optimizer with the step in one
-    CUDA graph, as ``lstrain-captured``;
+    CUDA graph, as ``lstrain-captured``; ``lstrain-patch-captured-sr`` the same without master
+    weights;
   * ``lstrain-eager``: lstrain's model (``fused=True``) with bf16 parameters and
     ``lstrain.optim.FusedAdamW(max_grad_norm=1.0)`` (fp32 master weights);
     ``lstrain-captured``: the same step replayed from one CUDA graph
     (``lstrain.train.CapturedStep``); ``lstrain-compile``: the same under
-    ``torch.compile(model)``.
+    ``torch.compile(model)``; ``lstrain-captured-sr``: captured, ``FusedAdamW(master_weights=
+    False, state_dtype=torch.bfloat16)`` (bf16 weights and moments rounded stochastically: 8
+    bytes of weight, gradient and state per parameter, HF + Liger's bf16 AdamW's budget).
 
 Each variant runs in its own process (this module with ``--child``), so that one variant's
 memory, compiled code and CUDA state cannot touch another's figures, and a crash or a hang
@@ -385,7 +388,9 @@ def torch_step(model: torch.nn.Module, workload: Workload, device: torch.device,
     return step
 
 
-def lstrain_step(model: torch.nn.Module, workload: Workload, device: torch.device, compiled: bool) -> StepFn:
+def lstrain_step(
+    model: torch.nn.Module, workload: Workload, device: torch.device, compiled: bool, rounded: bool = False
+) -> StepFn:
     """lstrain's step: parameters in bf16 (fp32 on an fp32 workload), ``FusedAdamW`` with
     the clip inside (fp32 master weights for 16-bit parameters), no autocast.
 
@@ -394,6 +399,8 @@ def lstrain_step(model: torch.nn.Module, workload: Workload, device: torch.devic
         workload: the workload (its precision).
         device: where to train.
         compiled: run the forward through ``torch.compile(model)``.
+        rounded: no master weights and bf16 moments, rounded stochastically
+            (``FusedAdamW(master_weights=False, state_dtype=torch.bfloat16)``).
 
     Returns:
         ``step(input_ids, labels, *masked) -> loss`` (detached); an MLM batch's
@@ -403,7 +410,8 @@ def lstrain_step(model: torch.nn.Module, workload: Workload, device: torch.devic
     from lstrain.optim import FusedAdamW
 
     model.to(device=device, dtype=torch.bfloat16 if workload.bf16 else torch.float32).train()
-    optimizer = FusedAdamW(_param_groups(model), lr=LR, max_grad_norm=MAX_NORM)
+    options = {"master_weights": False, "state_dtype": torch.bfloat16} if rounded else {}
+    optimizer = FusedAdamW(_param_groups(model), lr=LR, max_grad_norm=MAX_NORM, **options)
     forward = torch.compile(model) if compiled else model
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor, *masked: torch.Tensor) -> torch.Tensor:
@@ -435,28 +443,41 @@ class Variant:
         """The parameters' and the compute's precision, for the table."""
         if not workload.bf16:
             return "fp32"
+        if self.name in ROUNDED_OPTIMIZER:
+            return "bf16 params and moments, stochastic rounding, no master weights"
         if self.name in LSTRAIN_OPTIMIZER:
             return "bf16 params, fp32 master weights"
         return "bf16 params, no master weights" if workload.torch_bf16_params else "fp32 params, bf16 autocast"
 
 
-def _captured(model: torch.nn.Module, workload: Workload, device: torch.device, check_sync: bool = True) -> StepFn:
+def _captured(
+    model: torch.nn.Module, workload: Workload, device: torch.device, check_sync: bool = True, rounded: bool = False
+) -> StepFn:
     from lstrain.train import CapturedStep
 
     # restore=(): the warm-up steps may train here, the batches are random
-    step = lstrain_step(model, workload, device, compiled=False)
+    step = lstrain_step(model, workload, device, compiled=False, rounded=rounded)
     return CapturedStep(step, restore=(), warmup=CAPTURE_WARMUP, check_sync=check_sync)
 
 
-def _patched_captured(model: torch.nn.Module, workload: Workload, device: torch.device) -> StepFn:
+def _patched_captured(
+    model: torch.nn.Module, workload: Workload, device: torch.device, rounded: bool = False
+) -> StepFn:
     if workload.family == "bert":
         raise Skipped("HF's BertForMaskedLM takes no fixed masked positions: its loss's row gather is not capturable")
     # HF's mask builders read the device eagerly but not under capture: no sync check
-    return _captured(model, workload, device, check_sync=False)
+    return _captured(model, workload, device, check_sync=False, rounded=rounded)
 
 
 # variants on lstrain's optimizer; the rest: torch's AdamW
-LSTRAIN_OPTIMIZER = ("lstrain-patch-captured", "lstrain-eager", "lstrain-captured", "lstrain-compile")
+ROUNDED_OPTIMIZER = ("lstrain-patch-captured-sr", "lstrain-captured-sr")
+LSTRAIN_OPTIMIZER = (
+    "lstrain-patch-captured",
+    "lstrain-eager",
+    "lstrain-captured",
+    "lstrain-compile",
+    *ROUNDED_OPTIMIZER,
+)
 
 VARIANTS = {
     v.name: v
@@ -481,11 +502,17 @@ VARIANTS = {
                 needs_cuda=True, needs=("transformers",)),
         Variant("lstrain-patch-captured", "HF model + lstrain.patch(model), FusedAdamW, the step in one CUDA graph",
                 _hf_patched, _patched_captured, needs_cuda=True, needs=("transformers",)),
+        Variant("lstrain-patch-captured-sr", "the same, FusedAdamW without master weights, bf16 moments "
+                "(stochastic rounding)", _hf_patched, lambda m, w, d: _patched_captured(m, w, d, rounded=True),
+                needs_cuda=True, needs=("transformers",)),
         Variant("lstrain-eager", "lstrain's model (fused=True), FusedAdamW(max_grad_norm=1.0)",
                 lambda w: _lstrain_model(w, fused=True), lambda m, w, d: lstrain_step(m, w, d, compiled=False),
                 needs_cuda=False),
         Variant("lstrain-captured", "the same, the whole step in one CUDA graph",
                 lambda w: _lstrain_model(w, fused=True), _captured,
+                needs_cuda=True),
+        Variant("lstrain-captured-sr", "the same, FusedAdamW without master weights, bf16 moments (stochastic "
+                "rounding)", lambda w: _lstrain_model(w, fused=True), lambda m, w, d: _captured(m, w, d, rounded=True),
                 needs_cuda=True),
         Variant("lstrain-compile", "the same, torch.compile(model)",
                 lambda w: _lstrain_model(w, fused=True), lambda m, w, d: lstrain_step(m, w, d, compiled=True),

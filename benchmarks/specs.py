@@ -682,8 +682,34 @@ def adamw_cases() -> list[StepCase]:
         "torch fused fp32 master + copy to bf16": torch_fused_master_copy,
     }
     # bf16 grad read, bf16 param written, fp32 master and two moments read and written
-    min_bytes = sum(math.prod(shape) for shape in gpt2_medium_shapes()) * (2 + 2 + 3 * 8)
-    return [StepCase("adamw", "GPT-2 medium, 292 tensors", gpt2_medium_parameters, impls, min_bytes, 2.55)]
+    numel = sum(math.prod(shape) for shape in gpt2_medium_shapes())
+    with_masters = StepCase(
+        "adamw", "GPT-2 medium, 292 tensors", gpt2_medium_parameters, impls, numel * (2 + 2 + 3 * 8), 2.55
+    )
+
+    def lstrain_rounded(make):
+        params = make(torch.bfloat16)
+        optimizer = FusedAdamW(params, lr=1e-4, weight_decay=0.1, master_weights=False, state_dtype=torch.bfloat16)
+        return optimizer.step
+
+    def torch_bf16(**options):
+        def build(make):
+            optimizer = torch.optim.AdamW(make(torch.bfloat16), lr=1e-4, weight_decay=0.1, **options)
+            return optimizer.step
+
+        return build
+
+    rounded_impls = {
+        "lstrain bf16, no master (stochastic rounding)": lstrain_rounded,
+        "torch fused=True bf16 (to nearest)": torch_bf16(fused=True),
+        "torch foreach bf16 (to nearest)": torch_bf16(foreach=True),
+    }
+    # bf16 grad read, bf16 param and two bf16 moments read and written: 14 bytes, half of the above
+    without = StepCase(
+        "adamw", "GPT-2 medium, 292 tensors, bf16 weights and moments", gpt2_medium_parameters, rounded_impls,
+        numel * (2 + 3 * 4),
+    )  # fmt: skip
+    return [with_masters, without]
 
 
 def gemm_cases() -> list[StepCase]:

@@ -98,6 +98,8 @@ def test_values_out_of_range_and_the_vocabulary():
         parse_recipe({"training": {"mixed_precision": "fp8"}})
     with pytest.raises(RecipeError, match=r"n_embd \(64\) must be a multiple of n_head \(3\)"):
         parse_recipe({"model": {"n_embd": 64, "n_head": 3}})
+    with pytest.raises(RecipeError, match="state_dtype must be one of float32, bfloat16; got 'float16'"):
+        parse_recipe({"optimizer": {"state_dtype": "float16"}})
     with pytest.raises(RecipeError, match="vocab_size comes from the data's tokenizer"):
         parse_recipe({"model": {"vocab_size": 100}})
 
@@ -113,8 +115,11 @@ def test_overrides_are_typed_by_their_field():
             "sample.prompt=def main",  # a string field takes the text as it is
             "data.max_bytes=none",  # an optional field
             "model.n_layer=3",
+            "optimizer.master_weights=false",
+            "optimizer.state_dtype=bfloat16",
         ],
     )
+    assert run.optimizer.master_weights is False and run.optimizer.state_dtype == "bfloat16"
     assert run.training.steps == 25 and run.training.compile is True
     assert run.optimizer.lr == 1e-3 and run.optimizer.betas == (0.8, 0.99)
     assert run.sample.prompt == "def main"

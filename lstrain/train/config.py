@@ -206,6 +206,11 @@ class OptimizerConfig:
         eps: Adam's epsilon.
         weight_decay: decoupled weight decay of the weight matrices and embeddings;
             biases and norms get none.
+        master_weights: keep fp32 master weights of bf16 parameters (true, the default),
+            or round each update stochastically into them (false: 4 bytes per parameter
+            less; :class:`lstrain.optim.FusedAdamW`'s ``master_weights``).
+        state_dtype: the moments' dtype, ``"float32"`` or ``"bfloat16"`` (rounded
+            stochastically; 4 bytes per parameter less).
 
     Raises:
         ValueError: a value out of range.
@@ -216,9 +221,14 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    master_weights: bool = True
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _choice("[optimizer]", "name", self.name, ("adamw", "zero_adamw"))
+        _choice("[optimizer]", "state_dtype", self.state_dtype, ("float32", "bfloat16"))
+        if not isinstance(self.master_weights, bool):
+            raise ValueError(f"[optimizer]: master_weights must be true or false, got {self.master_weights!r}")
         _number("[optimizer]", "lr", self.lr, 0.0, math.inf)
         _number("[optimizer]", "eps", self.eps, 0.0, math.inf)
         _number("[optimizer]", "weight_decay", self.weight_decay, 0.0, math.inf)

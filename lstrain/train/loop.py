@@ -183,12 +183,19 @@ class _Stepper:
         max_norm = training.max_norm or None
         self.fused = world.device.type == "cuda" or _backend.interpreter_active()
         self.zero = opt.name == "zero_adamw"
+        precision = {"master_weights": opt.master_weights, "state_dtype": getattr(torch, opt.state_dtype)}
         if self.zero:  # ZeRO-1: its step reduce-scatters the gradients and gathers the weights
-            self.optimizer = ZeroAdamW(groups, **kwargs, max_grad_norm=max_norm)
+            self.optimizer = ZeroAdamW(groups, **kwargs, **precision, max_grad_norm=max_norm)
             self.flat = self.optimizer.flat
         elif self.fused:
-            self.optimizer = FusedAdamW(groups, **kwargs, max_grad_norm=max_norm)
+            self.optimizer = FusedAdamW(groups, **kwargs, **precision, max_grad_norm=max_norm)
             self.flat = self.optimizer.flat
+        elif not opt.master_weights or opt.state_dtype != "float32":
+            raise ValueError(
+                '[optimizer]: master_weights = false and state_dtype = "bfloat16" round stochastically in '
+                "lstrain's FusedAdamW, which runs on CUDA or in the Triton interpreter (TRITON_INTERPRET=1); "
+                "torch's AdamW here would round to nearest"
+            )
         else:
             self.flat = FlatParameters([decay, no_decay])
             self.optimizer = torch.optim.AdamW(groups, **kwargs)

@@ -56,12 +56,14 @@ def test_flops_per_token_is_6n_plus_12ltd():
 def test_variants_and_what_they_need():
     assert list(e2e.VARIANTS) == [
         "torch-eager", "torch-compile", "hf-eager", "hf-compile", "hf-liger",
-        "lstrain-patch", "lstrain-patch-captured", "lstrain-eager", "lstrain-captured", "lstrain-compile",
+        "lstrain-patch", "lstrain-patch-captured", "lstrain-patch-captured-sr", "lstrain-eager", "lstrain-captured",
+        "lstrain-captured-sr", "lstrain-compile",
     ]  # fmt: skip
     cpu_ones = [v.name for v in e2e.VARIANTS.values() if not v.needs_cuda]
     assert cpu_ones == ["torch-eager", "lstrain-eager"]
     assert [n for n in e2e.VARIANTS if report.is_ours(n)] == [
-        "lstrain-patch", "lstrain-patch-captured", "lstrain-eager", "lstrain-captured", "lstrain-compile"
+        "lstrain-patch", "lstrain-patch-captured", "lstrain-patch-captured-sr", "lstrain-eager", "lstrain-captured",
+        "lstrain-captured-sr", "lstrain-compile",
     ]  # fmt: skip
     patched_captured = e2e.VARIANTS["lstrain-patch-captured"]
     assert patched_captured.precision(e2e.WORKLOADS["gpt2-medium"]) == "bf16 params, fp32 master weights"
@@ -79,6 +81,9 @@ def test_variants_and_what_they_need():
     llama = e2e.WORKLOADS["llama-0.75b"]
     assert e2e.VARIANTS["hf-liger"].precision(llama) == "bf16 params, no master weights"
     assert e2e.VARIANTS["lstrain-patch"].precision(medium) == "fp32 params, bf16 autocast"
+    rounded = "bf16 params and moments, stochastic rounding, no master weights"
+    assert e2e.VARIANTS["lstrain-captured-sr"].precision(llama) == rounded
+    assert e2e.VARIANTS["lstrain-patch-captured-sr"].precision(llama) == rounded
 
 
 def test_llama_and_bert_workloads_are_the_issues():
@@ -401,6 +406,7 @@ def test_each_family_s_models_take_a_step(family):
     batch = e2e.make_batches(tiny, 1, device)[0]
     steps = [
         e2e.lstrain_step(e2e._lstrain_model(tiny, fused=True), tiny, device, compiled=False),
+        e2e.lstrain_step(e2e._lstrain_model(tiny, fused=True), tiny, device, compiled=False, rounded=True),
         e2e.torch_step(e2e._lstrain_model(tiny, fused=False), tiny, device, compiled=False),
         e2e.torch_step(e2e._hf_model(tiny), tiny, device, compiled=False),
         e2e.torch_step(e2e._hf_patched(tiny), tiny, device, compiled=False),

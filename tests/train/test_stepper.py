@@ -1,5 +1,7 @@
 """The step's pieces that the CUDA-graph capture relies on, checked eagerly on the CPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,3 +42,21 @@ def test_warm_up_steps_are_undone_before_the_capture(tmp_path):
     for (key, a), b in zip(fresh.model.state_dict().items(), warmed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), key
     assert fresh.optimizer.state_dict()["state"].keys() == warmed.optimizer.state_dict()["state"].keys()
+
+
+def test_the_optimizer_section_can_drop_master_weights(tmp_path, monkeypatch):
+    run = micro_run(tmp_path, steps=2, mixed_precision="bf16")
+    run.optimizer = dataclasses.replace(run.optimizer, master_weights=False, state_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = GPT2(run.model.build(259)).to(torch.bfloat16).train()
+    stepper = _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), accumulation=1)
+    assert stepper.optimizer.master_weights is False and stepper.optimizer.state_dtype == torch.bfloat16
+    data = build_data(run.data, seq_len=32, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert torch.isfinite(stepper.eager([_to_device(data.train.batch(0, 2), torch.device("cpu"))]))
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in stepper.optimizer.state.values())
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # where torch's AdamW would stand in (no CUDA, no interpreter), it would round to nearest: refused
+    monkeypatch.setattr(_backend, "interpreter_active", lambda: False)
+    with pytest.raises(ValueError, match="round stochastically in lstrain's FusedAdamW"):
+        _Stepper(run, GPT2(run.model.build(259)), _World(0, 1, torch.device("cpu"), False), accumulation=1)
