@@ -6,7 +6,7 @@
 modules, with the same parameter names and shapes, from plain torch ops.
 """
 
-from lstrain.layers.attention import SelfAttention, sdpa_mask, split_heads
+from lstrain.layers.attention import SelfAttention, sdpa_mask
 from lstrain.layers.decoder import DecoderLayer, add_norm
 from lstrain.layers.mlp import MLP
 from lstrain.layers.rotary import RotaryAttention, rope_qkv_torch, rope_torch, rotary_cos_sin
@@ -25,5 +25,4 @@ __all__ = [
     "rope_torch",
     "rotary_cos_sin",
     "sdpa_mask",
-    "split_heads",
 ]

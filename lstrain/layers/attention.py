@@ -2,7 +2,8 @@
 
 ``c_attn`` (weight ``[3 * dim, dim]``, torch's Linear layout) makes q, k and v in one GEMM;
 they are strided views of its output (no copies: SDPA and the bias path need only the last
-dim contiguous). ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN /
+dim contiguous), and :func:`lstrain.ops.qkv_projection`'s backward packs their gradients
+and sums the bias's in one pass. ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN /
 memory-efficient) computes the attention, unless the caller passes a learned additive bias,
 which SDPA cannot fuse: then the scores go through :func:`lstrain.ops.attention_softmax`.
 """
@@ -13,54 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers._residual import add_residual
-from lstrain.ops import attention_softmax
+from lstrain.ops import attention_softmax, qkv_projection, qkv_projection_ref
 
-__all__ = ["SelfAttention", "sdpa_mask", "split_heads"]
-
-
-class _PackedHeads(torch.autograd.Function):
-    """q, k, v as views of a ``[batch, seq, 3 * dim]`` projection; backward writes their
-    gradients straight into one ``[batch, seq, 3, heads, head_dim]`` buffer: one copy, where
-    autograd's unbind + permute + view backward makes two (a stack, then a reshape)."""
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, heads: int):
-        batch, seq, width = qkv.shape
-        parts = qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4)
-        return parts[0], parts[1], parts[2]
-
-    @staticmethod
-    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
-        # Undefined gradients arrive as zeros (materialize_grads is on by default).
-        dqkv = torch.stack([g.transpose(1, 2) for g in (dq, dk, dv)], dim=2)
-        return dqkv.flatten(2), None
-
-
-def split_heads(qkv: torch.Tensor, heads: int, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split a packed projection into q, k, v of shape ``[batch, heads, seq, head_dim]``.
-
-    Args:
-        qkv: ``[batch, seq, 3 * dim]``, q then k then v along the last dim, each head's
-            ``head_dim`` columns together (GPT-2's and torch's layout); contiguous.
-        heads: number of heads; ``dim`` must be a multiple of it.
-        fused: gradients gathered in one copy (a small autograd.Function) rather than
-            through autograd's views.
-
-    Returns:
-        ``(q, k, v)``, strided views of ``qkv`` (last dim contiguous).
-
-    Raises:
-        ValueError: ``qkv`` is not 3-D or its width is not a multiple of ``3 * heads``.
-    """
-    if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads):
-        raise ValueError(
-            f"split_heads: qkv must be [batch, seq, 3 * dim] with dim a multiple of heads={heads}, "
-            f"got shape {tuple(qkv.shape)}"
-        )
-    if fused:
-        return _PackedHeads.apply(qkv, heads)
-    batch, seq, width = qkv.shape
-    return qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+__all__ = ["SelfAttention", "sdpa_mask"]
 
 
 def sdpa_mask(key_padding_mask: torch.Tensor, q_len: int, causal: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -103,10 +59,11 @@ def _masked_softmax(
 class SelfAttention(torch.nn.Module):
     """``residual + dropout(c_proj(attention(c_attn(x))))``.
 
-    Fused: q, k, v are views of ``c_attn``'s output (their gradients meet in one copy),
-    ``c_proj``'s GEMM runs without its bias and :func:`lstrain.ops.bias_dropout_residual`
-    adds the bias, drops and adds the residual in one kernel. Unfused: the same in plain
-    torch ops (``nn.Linear``, SDPA or a torch softmax, ``F.dropout``), with the same
+    Fused: q, k, v are views of ``c_attn``'s output (their gradients meet in one copy, which
+    also sums ``c_attn``'s bias gradient: :func:`lstrain.ops.qkv_projection`), ``c_proj``'s
+    GEMM runs without its bias and :func:`lstrain.ops.bias_dropout_residual` adds the bias,
+    drops and adds the residual in one kernel. Unfused: the same in plain torch ops
+    (``F.linear`` and views, SDPA or a torch softmax, ``F.dropout``), with the same
     parameter names and shapes. Both run SDPA when there is no ``attn_bias``. The GEMMs
     without an activation to fuse are cuBLAS's (``F.linear``) in both.
 
@@ -161,7 +118,8 @@ class SelfAttention(torch.nn.Module):
         attn_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, seq, dim = x.shape
-        q, k, v = split_heads(self.c_attn(x), self.heads, self.fused)
+        project = qkv_projection if self.fused else qkv_projection_ref
+        q, k, v = project(x, self.c_attn.weight, self.c_attn.bias, self.heads)
         p = self.attn_dropout if self.training else 0.0
         if attn_bias is None:
             mask = None if key_padding_mask is None else sdpa_mask(key_padding_mask, seq, self.causal, q.dtype)

@@ -10,6 +10,7 @@ from lstrain.ops.embedding import embedding, embedding_ref
 from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from lstrain.ops.qkv_projection import qkv_projection, qkv_projection_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
 from lstrain.ops.rope import rope, rope_qkv, rope_qkv_ref, rope_ref
 from lstrain.ops.swiglu import swiglu_mlp, swiglu_mlp_ref
@@ -34,6 +35,8 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "qkv_projection",
+    "qkv_projection_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope",

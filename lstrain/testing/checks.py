@@ -34,6 +34,8 @@ from lstrain.ops import (
     layer_norm_ref,
     linear_cross_entropy,
     linear_cross_entropy_ref,
+    qkv_projection,
+    qkv_projection_ref,
     rms_norm,
     rms_norm_ref,
     rope,
@@ -55,6 +57,7 @@ from lstrain.testing.strategies import (
     gemm_cases,
     layer_norm_cases,
     linear_cross_entropy_cases,
+    qkv_projection_cases,
     rms_norm_cases,
     rope_cases,
     rope_qkv_cases,
@@ -221,6 +224,30 @@ def _run_rope_qkv(case: dict, device: str) -> CheckResult:
             run(rope_qkv), run(rope_qkv_ref), {"qkv": qkv, "cos": cos, "sin": sin}, grad_inputs=["qkv"],
             atol=_atol(dtype, device), generator=gen,
         )  # fmt: skip
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_qkv_projection(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    batch, seq = case["shape"]
+    dtype, heads, width = case["dtype"], case["heads"], case["in_features"]
+    dim = heads * case["head_dim"]
+    inputs = {
+        "x": _randn((batch, seq, width), gen, device, dtype),
+        "weight": _randn((3 * dim, width), gen, device, dtype) * width**-0.5,
+    }
+    if case["bias"]:
+        inputs["bias"] = _randn((3 * dim,), gen, device, dtype)
+
+    # q, k and v side by side along the heads, for the tolerance rule's one tensor; their
+    # gradients then come as strided views of one, as attention's backward may leave them
+    def run(fn):
+        return lambda x, weight, bias=None: torch.cat(fn(x, weight, bias, heads), dim=1)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(qkv_projection), run(qkv_projection_ref), inputs, atol=_atol(dtype, device), generator=gen
+        )
     return CheckResult(comparisons, [b for _, b in ran])
 
 
@@ -451,6 +478,12 @@ OP_CHECKS: dict[str, OpCheck] = {
         rope_qkv_cases,
         _run_rope_qkv,
         sizes=lambda case: (*case["shape"], case["num_heads"] + 2 * case["num_kv_heads"], case["head_dim"]),
+    ),
+    "qkv_projection": OpCheck(
+        "qkv_projection",
+        qkv_projection_cases,
+        _run_qkv_projection,
+        sizes=lambda case: (*case["shape"], case["in_features"], case["heads"], case["head_dim"]),
     ),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),
     "cross_entropy": OpCheck("cross_entropy", cross_entropy_cases, _run_cross_entropy),

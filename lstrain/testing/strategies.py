@@ -28,6 +28,7 @@ __all__ = [
     "gemm_cases",
     "layer_norm_cases",
     "linear_cross_entropy_cases",
+    "qkv_projection_cases",
     "register_profiles",
     "rms_norm_cases",
     "rope_cases",
@@ -200,6 +201,21 @@ def rope_qkv_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) 
         "num_kv_heads": kv_heads,
         "num_heads": kv_heads * draw(st.sampled_from([1, 2, 3] if small else [1, 4, 8])),
         **_rope_tables(draw, small),
+        "dtype": dtype or draw(dtypes()),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def qkv_projection_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A packed QKV projection case: batch, seq, input width, heads, head_dim, bias, seed."""
+    small = device == "cpu"
+    return {
+        "shape": (draw(st.integers(1, 3)), draw(st.integers(1, 24 if small else 512))),
+        "in_features": draw(st.integers(1, 40 if small else 1024)),
+        "heads": draw(st.integers(1, 4 if small else 16)),
+        "head_dim": draw(st.sampled_from([1, 3, 8, 16] if small else [8, 64, 80, 128])),
+        "bias": draw(st.booleans()),
         "dtype": dtype or draw(dtypes()),
         "seed": draw(seeds()),
     }

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lstrain._backend import record_backends
-from lstrain.layers import MLP, SelfAttention, TransformerLayer, sdpa_mask, split_heads
+from lstrain.layers import MLP, SelfAttention, TransformerLayer, sdpa_mask
 from lstrain.testing import assert_all_passed, check_module
 from tests.conftest import DEVICE, EXPECTED_BACKEND
 
@@ -72,23 +72,6 @@ def test_state_dicts_move_between_twins():
     plain.load_state_dict(fused.state_dict())
 
 
-def test_split_heads_gives_views_and_one_gradient():
-    qkv = torch.randn(2, 5, 3 * 8, device=DEVICE, requires_grad=True)
-    fused = split_heads(qkv, heads=2)
-    plain = split_heads(qkv, heads=2, fused=False)
-    for a, b in zip(fused, plain, strict=True):
-        assert a.shape == (2, 2, 5, 4) and a.stride(-1) == 1
-        assert a.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # no copy
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    dys = [torch.randn(2, 2, 5, 4, device=DEVICE) for _ in range(3)]
-    (ours,) = torch.autograd.grad(fused, qkv, dys)
-    (theirs,) = torch.autograd.grad(plain, qkv, dys)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    (only_v,) = torch.autograd.grad(split_heads(qkv, 2)[2], qkv, dys[2])  # q and k unused: zeros
-    assert only_v[..., :16].eq(0).all()
-    torch.testing.assert_close(only_v[..., 16:], theirs[..., 16:], rtol=0, atol=0)
-
-
 def test_sdpa_mask_is_finite_and_causal():
     padding = torch.tensor([[False, False, True]], device=DEVICE)
     mask = sdpa_mask(padding, 3, causal=True, dtype=torch.float16)
@@ -124,11 +107,6 @@ def test_dropout_is_finite_and_follows_the_seed():
 def test_bad_arguments_are_named(build, message):
     with pytest.raises(ValueError, match=message):
         build()
-
-
-def test_split_heads_rejects_a_bad_width():
-    with pytest.raises(ValueError, match="split_heads: qkv must be"):
-        split_heads(torch.randn(2, 3, 20), heads=3)
 
 
 @pytest.mark.gpu
