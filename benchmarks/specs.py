@@ -27,6 +27,8 @@ from lstrain.ops import (
     gemm,
     layer_norm,
     linear_cross_entropy,
+    qkv_projection,
+    qkv_projection_ref,
     rms_norm,
     rope,
     rope_qkv,
@@ -293,6 +295,36 @@ def rope_qkv_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     min_bytes = 2 * (heads + kv_heads) * head + 2 * (heads + 2 * kv_heads) * head + 4 * seq * head_dim * element
     label = f"{batch} x {seq}, {heads} + {kv_heads} + {kv_heads} heads x {head_dim}"
     return [BenchCase("rope_qkv", label, make, ["qkv"], impls, min_bytes)]
+
+
+def qkv_projection_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    batch, seq, heads, head_dim = 8, 1024, 16, 64  # GPT-2 medium's attention, its e2e batch
+    dim = heads * head_dim
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(batch, seq, dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        weight = (torch.randn(3 * dim, dim, device="cuda", dtype=dtype, generator=gen) * dim**-0.5).requires_grad_()
+        bias = torch.randn(3 * dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        d_k, d_v = torch.randn(2, batch, heads, seq, head_dim, device="cuda", dtype=dtype, generator=gen)
+        return {"x": x, "weight": weight, "bias": bias, "d_k": d_k, "d_v": d_v}
+
+    def eager(x, weight, bias, d_k, d_v):  # F.linear and views: autograd's stack and bias-gradient sum
+        return _all_outputs(qkv_projection_ref(x, weight, bias, heads), (d_k, d_v))
+
+    impls = {
+        "lstrain": lambda x, weight, bias, d_k, d_v: _all_outputs(qkv_projection(x, weight, bias, heads), (d_k, d_v)),
+        "eager": eager,
+        "torch.compile": eager,
+    }
+    element = torch.finfo(dtype).bits // 8
+    tokens = batch * seq
+    # forward reads x and the weight, writes qkv; backward reads dq, dk, dv, writes and reads
+    # the packed gradient for the two GEMMs, writes dx and the weight's gradient
+    min_bytes = element * (2 * tokens * dim + 2 * 3 * dim * dim + 4 * tokens * 3 * dim)
+    flops = 3 * 2 * tokens * dim * 3 * dim
+    label = f"{batch} x {seq}, {dim} -> 3 x {heads} heads x {head_dim}"
+    return [BenchCase("qkv_projection", label, make, ["x", "weight", "bias"], impls, min_bytes, flops=flops)]
 
 
 def attention_softmax_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -593,6 +625,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "add_rms_norm": add_rms_norm_cases,
     "rope": rope_cases,
     "rope_qkv": rope_qkv_cases,
+    "qkv_projection": qkv_projection_cases,
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
     "bias_act_dropout": bias_act_dropout_cases,
@@ -788,6 +821,7 @@ TITLES: dict[str, str] = {
     "add_rms_norm": "Residual add + RMSNorm (weight), bf16, forward + backward of both outputs",
     "rope": "RoPE (rotate-half) of q and k in HF's layout, bf16, forward + backward",
     "rope_qkv": "RoPE of q and k read from a packed QKV projection (GQA), bf16, forward + backward",
+    "qkv_projection": "packed QKV projection (GEMM + head views), bf16, forward + backward",
     "attention_softmax": "Attention softmax (scale + causal mask), bf16, forward + backward",
     "bias_dropout_residual": "Bias + dropout + residual, bf16, forward + backward",
     "bias_act_dropout": "Bias + GELU + dropout, bf16, forward + backward",
