@@ -11,8 +11,8 @@ accumulated in fp32 inside its GEMM, is added to the running gradient in the wei
 dtype, one rounding per chunk, so that the only memory beyond the inputs and their
 gradients is one chunk of logits. Otherwise the chunks sum in the fp32 buffer, rounded
 once at the end: a 16-bit sum's error grows with the number of chunks, past PyTorch's own
-(one rounding of one GEMM) by more than the tolerance rule allows. ``fp32_weight_grad``
-forces either way. So the gradients are ready
+(one rounding of one GEMM) by more than the tolerance rule allows. One chunk is one GEMM,
+rounded once, straight into the weight's dtype. ``fp32_weight_grad`` forces either way. So the gradients are ready
 when forward ends; backward multiplies them by grad_output, touching no memory when it is
 exactly 1 (no host sync). With ``reduction="none"`` the per-row grad_output is needed, so
 backward recomputes each chunk's logits instead.
@@ -243,6 +243,10 @@ def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch
         return False  # the gradient itself is the fp32 sum
     tokens = hidden.shape[0]
     chunks = cdiv(tokens, chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes))
+    if chunks <= 1:
+        # one GEMM, accumulated in fp32 and rounded once either way: an fp32 buffer would
+        # only cost its memory and cuBLAS's slower 16-bit-in, fp32-out kernels
+        return False
     return 4 * weight.numel() <= chunk_bytes or chunks > MAX_16BIT_SUMS
 
 
@@ -308,8 +312,9 @@ def linear_cross_entropy(
             buffer, so that the weight gradient is rounded once rather than once per
             chunk, at the cost of 4 x V x D bytes while the loss runs; False to add each
             chunk's (fp32-accumulated) product to the gradient in the weight's dtype;
-            None (default): the fp32 buffer when it is no larger than ``chunk_bytes`` or
-            there are more than ``MAX_16BIT_SUMS`` chunks.
+            None (default): with one chunk the weight's dtype (one GEMM, one rounding),
+            else the fp32 buffer when it is no larger than ``chunk_bytes`` or there are
+            more than ``MAX_16BIT_SUMS`` chunks.
 
     Returns:
         The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).

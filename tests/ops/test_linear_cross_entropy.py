@@ -107,7 +107,9 @@ def test_weight_gradient_sum_chosen_by_memory_and_chunk_count():
     head = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
     assert not _fp32_sum(None, hidden, head, DEFAULT_CHUNK_BYTES)  # 4 chunks; an fp32 sum would be 2 GB
     assert _fp32_sum(None, hidden, head, DEFAULT_CHUNK_BYTES // 2)  # 8 chunks
-    assert _fp32_sum(None, hidden, head[:1000], DEFAULT_CHUNK_BYTES)  # 16 MB of fp32
+    narrow = torch.empty(8192, 64, dtype=torch.bfloat16, device="meta")
+    assert _fp32_sum(None, narrow, head[:1000, :64], 8 << 20)  # 2 chunks, 256 KB of fp32
+    assert not _fp32_sum(None, hidden, head[:1000], DEFAULT_CHUNK_BYTES)  # one chunk: one GEMM, one rounding
     assert _fp32_sum(True, hidden, head, DEFAULT_CHUNK_BYTES) and not _fp32_sum(False, hidden, head[:10], 1 << 30)
     assert not _fp32_sum(None, hidden.float(), head.float(), 1)
 
