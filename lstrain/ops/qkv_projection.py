@@ -23,7 +23,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv
+from lstrain.ops._lib.layout import cdiv, matmul_like
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = ["QKVProjectionFunction", "pack_heads_grad", "qkv_projection", "qkv_projection_ref"]
@@ -168,7 +168,8 @@ class QKVProjectionFunction(torch.autograd.Function):
         dqkv = grads[0].flatten(0, 1)
         x2d = x.reshape(-1, x.shape[-1])
         dx = (dqkv @ weight).view(x.shape) if need_x else None
-        dweight = dqkv.t() @ x2d if need_weight else None  # [3 * dim, in]: the weight's own layout
+        # in the weight's layout (a Conv1D's transposed weight too): a contiguous .grad add
+        dweight = matmul_like(dqkv.t(), x2d, weight) if need_weight else None
         return dx, dweight, grads[1] if need_bias else None, None
 
 

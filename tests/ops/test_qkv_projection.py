@@ -71,6 +71,18 @@ def test_the_outputs_are_views_of_one_projection_and_the_weight_grad_is_contiguo
     torch.testing.assert_close(bias.grad, torch.tensor([1.0, 2.0, 3.0], device=DEVICE).repeat_interleave(32) * 18)
 
 
+def test_a_transposed_weight_gets_its_gradient_in_its_layout():
+    """A Conv1D's [in, 3 * dim] weight, passed as its .t() view: its .grad add stays contiguous."""
+    x, weight, bias = _inputs()
+    conv_weight = weight.detach().t().contiguous().requires_grad_()
+    q, k, v = qkv_projection(x, conv_weight.t(), bias, 4)
+    (q.sum() + 2 * k.sum() + 3 * v.sum()).backward()
+    q, k, v = qkv_projection_ref(x, weight, bias, 4)
+    (q.sum() + 2 * k.sum() + 3 * v.sum()).backward()
+    assert conv_weight.grad.is_contiguous()
+    torch.testing.assert_close(conv_weight.grad, weight.grad.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_an_unused_output_has_a_zero_gradient():
     x, weight, bias = _inputs()
     dv = torch.randn(2, 4, 9, 8, device=DEVICE)
