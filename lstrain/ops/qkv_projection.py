@@ -31,7 +31,12 @@ __all__ = ["QKVProjectionFunction", "pack_heads_grad", "qkv_projection", "qkv_pr
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+_STRIDES = [f"{part}_{dim}_stride" for part in "qkv" for dim in ("batch", "head", "seq")]
+
+
+# The strides are not specialized (a stride of 1 would become a constant in one branch of
+# the part select and a value in another, which Triton cannot merge).
+@triton.jit(do_not_specialize=_STRIDES)
 def _pack_heads_grad_kernel(
     dq_ptr,
     dk_ptr,
@@ -65,11 +70,20 @@ def _pack_heads_grad_kernel(
     walkers = tl.num_programs(2)
     col_ok = col < dim
     if part == 0:
-        src_ptr, batch_stride, head_stride, seq_stride = dq_ptr, q_batch_stride, q_head_stride, q_seq_stride
+        src_ptr = dq_ptr
+        batch_stride, head_stride, seq_stride = (
+            q_batch_stride.to(tl.int64), q_head_stride.to(tl.int64), q_seq_stride.to(tl.int64)
+        )  # fmt: skip
     elif part == 1:
-        src_ptr, batch_stride, head_stride, seq_stride = dk_ptr, k_batch_stride, k_head_stride, k_seq_stride
+        src_ptr = dk_ptr
+        batch_stride, head_stride, seq_stride = (
+            k_batch_stride.to(tl.int64), k_head_stride.to(tl.int64), k_seq_stride.to(tl.int64)
+        )  # fmt: skip
     else:
-        src_ptr, batch_stride, head_stride, seq_stride = dv_ptr, v_batch_stride, v_head_stride, v_seq_stride
+        src_ptr = dv_ptr
+        batch_stride, head_stride, seq_stride = (
+            v_batch_stride.to(tl.int64), v_head_stride.to(tl.int64), v_seq_stride.to(tl.int64)
+        )  # fmt: skip
     head = col // head_dim
     col_offset = head.to(tl.int64) * head_stride + (col - head * head_dim)
     width = 3 * dim
