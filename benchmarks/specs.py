@@ -34,6 +34,7 @@ from lstrain.ops import (
     rope_qkv,
     rope_qkv_ref,
     rope_ref,
+    silu_mul,
     swiglu_mlp,
 )
 from lstrain.ops.swiglu import PAIR_BLOCK
@@ -295,6 +296,36 @@ def rope_qkv_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     min_bytes = 2 * (heads + kv_heads) * head + 2 * (heads + 2 * kv_heads) * head + 4 * seq * head_dim * element
     label = f"{batch} x {seq}, {heads} + {kv_heads} + {kv_heads} heads x {head_dim}"
     return [BenchCase("rope_qkv", label, make, ["qkv"], impls, min_bytes)]
+
+
+def _liger_silu_mul():
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return None
+    return LigerSiLUMulFunction.apply
+
+
+def silu_mul_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    rows, cols = 8192, 5632  # the LLaMA-style 0.75B's MLP at its e2e batch (4 x 2048 tokens)
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        return {
+            name: torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            for name in ("gate", "up")
+        }
+
+    def eager(gate, up):  # HF LlamaMLP's act_fn(gate) * up
+        return torch.nn.functional.silu(gate) * up
+
+    impls = {"lstrain": silu_mul, "eager": eager, "torch.compile": eager}
+    if (liger := _liger_silu_mul()) is not None:
+        impls["liger"] = liger
+    # forward reads gate and up, writes the product; backward reads its gradient, gate and
+    # up, writes both gradients
+    min_bytes = 8 * rows * cols * (torch.finfo(dtype).bits // 8)
+    return [BenchCase("silu_mul", f"{rows} x {cols}", make, ["gate", "up"], impls, min_bytes)]
 
 
 def qkv_projection_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -626,6 +657,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "rope": rope_cases,
     "rope_qkv": rope_qkv_cases,
     "qkv_projection": qkv_projection_cases,
+    "silu_mul": silu_mul_cases,
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
     "bias_act_dropout": bias_act_dropout_cases,
@@ -822,6 +854,7 @@ TITLES: dict[str, str] = {
     "rope": "RoPE (rotate-half) of q and k in HF's layout, bf16, forward + backward",
     "rope_qkv": "RoPE of q and k read from a packed QKV projection (GQA), bf16, forward + backward",
     "qkv_projection": "packed QKV projection (GEMM + head views), bf16, forward + backward",
+    "silu_mul": "silu(gate) * up (SwiGLU's activation between separate GEMMs), bf16, forward + backward",
     "attention_softmax": "Attention softmax (scale + causal mask), bf16, forward + backward",
     "bias_dropout_residual": "Bias + dropout + residual, bf16, forward + backward",
     "bias_act_dropout": "Bias + GELU + dropout, bf16, forward + backward",

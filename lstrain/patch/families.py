@@ -37,6 +37,9 @@ class Family:
             select (transformers' ``NewGELUActivation``, GPT-2's ``gelu_new``: seven
             elementwise kernels forward and their autograd backward), swapped for
             ``torch.nn.GELU(approximate="tanh")``, the same function in one kernel each way.
+        mlps: ``module.QualName`` of the family's SwiGLU MLP classes (``down_proj(act_fn(
+            gate_proj(x)) * up_proj(x))``), whose SiLU and product run through
+            ``lstrain.ops.silu_mul``.
         attentions: ``module.QualName`` of the family's rotary attention classes -> where
             its forward takes the ``sliding_window`` it passes to the attention function:
             ``"none"`` (LLaMA passes none), ``"config"`` (``config.sliding_window``, as
@@ -48,6 +51,7 @@ class Family:
     loss: str
     rms_norms: tuple[str, ...] = ()
     tanh_gelus: tuple[str, ...] = ()
+    mlps: tuple[str, ...] = ()
     attentions: dict[str, str] = field(default_factory=dict)
 
 
@@ -81,6 +85,7 @@ FAMILIES = (
         },
         loss="causal",
         rms_norms=("transformers.models.llama.modeling_llama.LlamaRMSNorm",),
+        mlps=("transformers.models.llama.modeling_llama.LlamaMLP",),
         attentions={"transformers.models.llama.modeling_llama.LlamaAttention": "none"},
     ),
     Family(
@@ -91,6 +96,7 @@ FAMILIES = (
         },
         loss="causal",
         rms_norms=("transformers.models.mistral.modeling_mistral.MistralRMSNorm",),
+        mlps=("transformers.models.mistral.modeling_mistral.MistralMLP",),
         attentions={"transformers.models.mistral.modeling_mistral.MistralAttention": "config"},
     ),
     Family(
@@ -101,6 +107,7 @@ FAMILIES = (
         },
         loss="causal",
         rms_norms=("transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",),
+        mlps=("transformers.models.qwen2.modeling_qwen2.Qwen2MLP",),
         attentions={"transformers.models.qwen2.modeling_qwen2.Qwen2Attention": "module"},
     ),
 )

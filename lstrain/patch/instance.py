@@ -4,7 +4,8 @@ Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family'
 modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
 *same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
 untouched), and transformers' composite tanh GELU (no parameters) by torch's one-kernel
-``GELU(approximate="tanh")``; for a model with an LM head, an instance attribute ``forward`` shadows the
+``GELU(approximate="tanh")``; each SwiGLU MLP gets an instance ``forward`` that runs its SiLU
+and product through ``lstrain.ops.silu_mul``; for a model with an LM head, an instance attribute ``forward`` shadows the
 class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
 ``lstrain.ops.rope``. The class, every other instance of it and transformers' module
@@ -199,6 +200,50 @@ def _swap_tanh_gelus(model: torch.nn.Module, family: Family, enabled: bool, stat
             report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
         else:
             _replace(model, path, old, torch.nn.GELU(approximate="tanh"), state)
+
+
+# The SiLU modules transformers' ACT2FN["silu"] / ["swish"] give (5.x), by module and name.
+_SILUS = ("torch.nn.modules.activation.SiLU", "transformers.activations.SiLUActivation")
+_MLP_ROUTE = "act_fn(gate_proj(x)) * up_proj(x)"
+
+
+def _silu_mul_mlp_forward():
+    """A forward for one SwiGLU MLP module (a new function each: ``_set_forward`` gives it
+    the wrapped forward's name and signature): transformers' LlamaMLP forward with the SiLU
+    and the product in one kernel each way."""
+
+    def forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(lstrain.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+    return forward
+
+
+def _mlp_reason(module: torch.nn.Module) -> str | None:
+    """Why a family MLP's forward cannot run through ``silu_mul``, or None if it can."""
+    missing = [name for name in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(module, name)]
+    if missing:
+        return f"has no {', '.join(missing)}"
+    if _type_name(module.act_fn) not in _SILUS:
+        return f"its act_fn is {_type_name(module.act_fn)}, not SiLU"
+    if list(inspect.signature(module.forward).parameters) != ["x"]:
+        return "its forward takes other arguments than x"
+    if any(_has_hooks(m) for m in (module, module.act_fn)):
+        return "has forward or backward hooks on it or its act_fn, which the fused forward would skip"
+    return None
+
+
+def _route_mlps(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
+    report = state.report
+    for path, module in model.named_modules():
+        if _type_name(module) not in family.mlps:
+            continue
+        if not enabled:
+            report.left_alone.append(LeftAlone(path, "activation=False"))
+        elif (reason := _mlp_reason(module)) is not None:
+            report.left_alone.append(LeftAlone(path, reason))
+        else:
+            _set_forward(module, _silu_mul_mlp_forward(), state)
+            report.swapped.append(Swapped(path, _MLP_ROUTE, "lstrain.ops.silu_mul"))
 
 
 def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str):
@@ -409,7 +454,9 @@ def patch(
             reason in the report).
         activation: replace transformers' composite tanh GELU (``NewGELUActivation``,
             GPT-2's ``gelu_new``) by ``torch.nn.GELU(approximate="tanh")``: the same function
-            in one kernel each way instead of seven elementwise kernels and their backward.
+            in one kernel each way instead of seven elementwise kernels and their backward;
+            and run the SiLU and product of the family's SwiGLU MLPs (LlamaMLP, ...)
+            through ``lstrain.ops.silu_mul`` (one kernel each way, one rounding).
         cross_entropy: compute the LM-head loss without logits.
 
     Returns:
@@ -441,6 +488,7 @@ def patch(
     _swap_rms_norms(model, family, rms_norm, state)
     _route_rope(model, family, rope, state)
     _swap_tanh_gelus(model, family, activation, state)
+    _route_mlps(model, family, activation, state)
     if head_path is None:
         state.report.left_alone.append(LeftAlone("", f"{type(model).__name__} has no LM head, so no loss to fuse"))
     elif not cross_entropy:

@@ -42,6 +42,8 @@ from lstrain.ops import (
     rope_qkv,
     rope_qkv_ref,
     rope_ref,
+    silu_mul,
+    silu_mul_ref,
     swiglu_mlp,
     swiglu_mlp_ref,
 )
@@ -61,6 +63,7 @@ from lstrain.testing.strategies import (
     rms_norm_cases,
     rope_cases,
     rope_qkv_cases,
+    silu_mul_cases,
     swiglu_cases,
 )
 
@@ -381,6 +384,21 @@ def _run_bias_act_dropout(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_silu_mul(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape, dtype, scale = case["shape"], case["dtype"], case["scale"]
+    if case["packed"]:  # gate and up as the column halves of one projection: rows strided
+        packed = _randn((*shape[:-1], 2 * shape[-1]), gen, device, dtype) * scale
+        gate, up = packed[..., : shape[-1]], packed[..., shape[-1] :]
+    else:
+        gate, up = _randn(shape, gen, device, dtype) * scale, _randn(shape, gen, device, dtype)
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            silu_mul, silu_mul_ref, {"gate": gate, "up": up}, atol=_atol(dtype, device), generator=gen
+        )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 def _run_embedding(case: dict, device: str) -> CheckResult:
     gen = torch.Generator().manual_seed(case["seed"])
     dtype, vocab, dim = case["dtype"], case["vocab"], case["dim"]
@@ -495,6 +513,7 @@ OP_CHECKS: dict[str, OpCheck] = {
     ),
     "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
     "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
+    "silu_mul": OpCheck("silu_mul", silu_mul_cases, _run_silu_mul),
     "embedding": OpCheck(
         "embedding", embedding_cases, _run_embedding, sizes=lambda case: (*case["tokens"], case["dim"])
     ),

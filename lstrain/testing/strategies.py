@@ -35,6 +35,7 @@ __all__ = [
     "rope_qkv_cases",
     "row_widths",
     "seeds",
+    "silu_mul_cases",
     "swiglu_cases",
     "size_limits",
 ]
@@ -304,6 +305,21 @@ def bias_dropout_cases(draw, device: str = "cpu", dtype: torch.dtype | None = No
         "dropout": draw(st.sampled_from([0.0, 0.1, 0.5, 0.9])),
         "training": draw(st.booleans()),
         "activation": draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu"])),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def silu_mul_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A silu(gate) * up case: [*, F], whether gate and up are column halves of one packed
+    tensor (strided rows), a scale of the values (large ones saturate the sigmoid), seed."""
+    limits = size_limits(device)
+    leading = draw(st.lists(st.integers(1, 5), min_size=0, max_size=2))
+    return {
+        "shape": (*leading, draw(st.integers(1, limits["rows"])), draw(row_widths(limits["cols"]))),
+        "dtype": dtype or draw(dtypes()),
+        "packed": draw(st.booleans()),
+        "scale": draw(st.sampled_from([1.0, 1.0, 30.0])),
         "seed": draw(seeds()),
     }
 

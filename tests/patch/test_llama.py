@@ -101,7 +101,10 @@ def test_patched_loss_and_gradients_match_hf(family, tied):
     expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
     with _backend.record_backends() as ran:
         got, grads = _loss_and_grads(model, input_ids, labels)
-    assert {"rms_norm", "linear_cross_entropy"} <= {op for op, _ in ran}
+    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.silu_mul"] == [
+        f"model.layers.{i}.mlp" for i in range(LAYERS)
+    ]
+    assert {"rms_norm", "linear_cross_entropy", "silu_mul"} <= {op for op, _ in ran}
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert got.logits is None, "the patched loss must not build logits"
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
@@ -277,9 +280,10 @@ def test_base_models_patch_rms_norms(family):
 
 def test_options_leave_rms_norms_and_attention_alone():
     model = _model("qwen2")
-    report = lstrain.patch(model, rms_norm=False, rope=False, cross_entropy=False)
+    report = lstrain.patch(model, rms_norm=False, rope=False, activation=False, cross_entropy=False)
     assert report.swapped == [] and all("forward" not in m.__dict__ for m in model.modules())
-    assert {item.reason for item in report.left_alone} == {"rms_norm=False", "rope=False", "cross_entropy=False"}
+    reasons = {item.reason for item in report.left_alone}
+    assert reasons == {"rms_norm=False", "rope=False", "activation=False", "cross_entropy=False"}
 
 
 def test_unsupported_llama_class_names_the_supported_ones():
@@ -364,3 +368,15 @@ def test_deepcopy_of_a_patched_model_runs_its_own_modules():
         torch.testing.assert_close(model(input_ids=input_ids, labels=labels).loss, expected, rtol=0, atol=0)
     assert lstrain.unpatch(duplicate) and "_lstrain_patch" in model.__dict__
     assert all("forward" not in m.__dict__ for m in duplicate.modules())
+
+
+def test_an_mlp_without_silu_is_left_alone():
+    torch.manual_seed(0)
+    config = _config("llama")
+    config.hidden_act = "gelu"
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    report = lstrain.patch(model)
+    reasons = {item.path: item.reason for item in report.left_alone}
+    assert all(f"model.layers.{i}.mlp" in reasons for i in range(LAYERS))
+    assert "act_fn is" in reasons["model.layers.0.mlp"] and "not SiLU" in reasons["model.layers.0.mlp"]
+    assert "forward" not in model.model.layers[0].mlp.__dict__

@@ -1,0 +1,164 @@
+"""silu(gate) * up, the middle of a SwiGLU MLP whose projections are separate GEMMs, in one pass each way.
+
+Hugging Face's LlamaMLP (Mistral's, Qwen2's) runs ``act_fn(gate_proj(x)) * up_proj(x)`` as
+two elementwise kernels forward (silu, then the product: five passes over [tokens, F],
+each result rounded) and three backward. Here forward reads gate and up once and writes
+the product; backward reads the product's gradient, gate and up once and writes both
+gradients; fp32 arithmetic, one rounding per output. Nothing but the inputs is saved.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from lstrain import _backend
+from lstrain.ops._lib.custom_op import kernel_op
+from lstrain.ops._lib.dropout import elementwise_plan
+from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
+from lstrain.ops._lib.layout import as_rows, cdiv
+
+__all__ = ["SiluMulFunction", "silu_mul", "silu_mul_bwd", "silu_mul_fwd", "silu_mul_ref"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _silu_mul_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr, rows, cols, gate_row_stride, up_row_stride, BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    g = tl.load(gate_ptr + row[:, None] * gate_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row[:, None] * up_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    # torch's silu: x / (1 + exp(-x)) (-inf gives NaN, as torch's)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row[:, None] * cols + col[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(
+    dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, rows, cols, dout_row_stride, gate_row_stride, up_row_stride,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    d = tl.load(dout_ptr + row[:, None] * dout_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row[:, None] * gate_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row[:, None] * up_row_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    sigmoid = 1.0 / (1.0 + tl.exp(-g))
+    offsets = row[:, None] * cols + col[None, :]
+    # d silu / dg = s * (1 + g * (1 - s))
+    tl.store(dgate_ptr + offsets, (d * u * sigmoid * (1.0 + g * (1.0 - sigmoid))).to(dgate_ptr.dtype.element_ty), mask)
+    tl.store(dup_ptr + offsets, (d * g * sigmoid).to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Launch the forward on validated inputs; returns ``silu(gate) * up`` (contiguous)."""
+    cols = gate.shape[-1]
+    gate2d, up2d = as_rows(gate, cols), as_rows(up, cols)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = gate2d.shape[0]
+    if rows and cols:
+        plan = elementwise_plan(cols)
+        _silu_mul_fwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
+            gate2d, up2d, out, rows, cols, gate2d.stride(0), up2d.stride(0),
+            BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
+        )  # fmt: skip
+    return out
+
+
+@kernel_op("silu_mul_fwd", silu_mul_fwd)
+def silu_mul_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+def silu_mul_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> list[torch.Tensor]:
+    """Launch the backward; returns ``[dgate, dup]`` (contiguous, the inputs' dtype)."""
+    cols = gate.shape[-1]
+    dout2d, gate2d, up2d = as_rows(dout, cols), as_rows(gate, cols), as_rows(up, cols)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    rows = gate2d.shape[0]
+    if rows and cols:
+        plan = elementwise_plan(cols)
+        _silu_mul_bwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
+            dout2d, gate2d, up2d, dgate, dup, rows, cols, dout2d.stride(0), gate2d.stride(0), up2d.stride(0),
+            BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
+        )  # fmt: skip
+    return [dgate, dup]
+
+
+@kernel_op("silu_mul_bwd", silu_mul_bwd)
+def silu_mul_bwd_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.empty_like(gate, memory_format=torch.contiguous_format) for _ in range(2)]
+
+
+class SiluMulFunction(torch.autograd.Function):
+    """Autograd for :func:`silu_mul`; saves gate and up."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return silu_mul_fwd_op(gate, up)
+
+    @staticmethod
+    def backward(ctx, dout):
+        refuse_create_graph("silu_mul")
+        gate, up = ctx.saved_tensors
+        dgate, dup = silu_mul_bwd_op(dout, gate, up)
+        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one kernel each way (SwiGLU's activation, for an MLP whose
+    gate and up projections are separate GEMMs; :func:`lstrain.ops.swiglu_mlp` fuses it
+    into the GEMMs instead).
+
+    Args:
+        gate: ``[*, F]``, float32/float16/bfloat16; only the last dim needs to be
+            contiguous (a column slice of a packed projection is read in place).
+        up: the same shape, dtype and device.
+
+    Returns:
+        ``silu(gate) * up`` (contiguous, the inputs' dtype); fp32 arithmetic, one rounding.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that differ (named), a dtype other than
+            float32 / float16 / bfloat16, or a 0-d input.
+    """
+    if gate.dim() == 0:
+        raise ValueError("silu_mul: gate must have at least one dim, got a scalar")
+    if up.shape != gate.shape:
+        raise ValueError(f"silu_mul: up has shape {tuple(up.shape)}, gate {tuple(gate.shape)}; they must match")
+    if gate.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"silu_mul: gate has dtype {gate.dtype}; expected float32, float16 or bfloat16")
+    if up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(
+            f"silu_mul: up is {up.dtype} on {up.device}, gate {gate.dtype} on {gate.device}; they must match"
+        )
+    backend = _backend.backend_for(gate)
+    _backend.note("silu_mul", backend)
+    if backend == "reference":
+        return silu_mul_ref(gate, up)
+    if not differentiated(gate, up):
+        return silu_mul_fwd_op(gate, up)
+    return SiluMulFunction.apply(gate, up)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch in fp32 (fp64 for fp64 inputs), rounded once to the inputs' dtype.
+
+    Args:
+        gate, up: as for :func:`silu_mul`.
+
+    Returns:
+        ``silu(gate) * up`` in gate's dtype.
+    """
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    return (F.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)
