@@ -290,27 +290,28 @@ def _empty_heads(qkv: torch.Tensor, count: int, head_dim: int) -> torch.Tensor:
 
 def rope_qkv_fwd(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, interleaved: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward rotations of q and k, read from ``qkv`` in place.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward rotations of q and k, read from ``qkv`` in place, and v's copy.
 
     Args:
         qkv, cos, sin, num_heads, num_kv_heads, interleaved: as for :func:`rope_qkv`
             (qkv's last dim contiguous).
 
     Returns:
-        ``(q, k)``: [batch, num_heads, seq, head_dim] and [batch, num_kv_heads, seq,
-        head_dim] in qkv's dtype, laid out as [batch, seq, heads, head_dim] (see
+        ``(q, k, v)``: [batch, num_heads, seq, head_dim] and twice [batch, num_kv_heads,
+        seq, head_dim] in qkv's dtype, laid out as [batch, seq, heads, head_dim] (see
         :func:`_empty_heads`).
     """
     batch, seq, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     cos, sin = _per_batch(cos, batch), _per_batch(sin, batch)
     outputs = []
-    for first, count in ((0, num_heads), (num_heads, num_kv_heads)):
+    for first, count, rotate in ((0, num_heads, True), (num_heads, num_kv_heads, True),
+                                 (num_heads + num_kv_heads, num_kv_heads, False)):  # fmt: skip
         out = _empty_heads(qkv, count, head_dim)
-        _launch(_qkv_heads(qkv, first, count, head_dim), cos, sin, out, interleaved, False)
+        _launch(_qkv_heads(qkv, first, count, head_dim), cos, sin, out, interleaved, False, rotate=rotate)
         outputs.append(out)
-    return outputs[0], outputs[1]
+    return outputs[0], outputs[1], outputs[2]
 
 
 def rope_qkv_bwd(
@@ -369,9 +370,11 @@ def rope_bwd_op(
 @kernel_op("rope_qkv_fwd", rope_qkv_fwd)
 def rope_qkv_fwd_op(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, interleaved: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
-    return _empty_heads(qkv, num_heads, head_dim), _empty_heads(qkv, num_kv_heads, head_dim)
+    heads = (num_heads, num_kv_heads, num_kv_heads)
+    q, k, v = (_empty_heads(qkv, count, head_dim) for count in heads)
+    return q, k, v
 
 
 @kernel_op("rope_qkv_bwd", rope_qkv_bwd)
@@ -407,18 +410,16 @@ class RopeFunction(torch.autograd.Function):
 
 
 class RopeQKVFunction(torch.autograd.Function):
-    """Autograd for :func:`rope_qkv`; saves cos and sin. v is a view of qkv made outside,
-    so its gradient arrives here through the view's own backward, as the third output's."""
+    """Autograd for :func:`rope_qkv`; saves cos and sin."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, num_heads, num_kv_heads, interleaved):
-        q, k = rope_qkv_fwd_op(qkv, cos, sin, num_heads, num_kv_heads, interleaved)
+        q, k, v = rope_qkv_fwd_op(qkv, cos, sin, num_heads, num_kv_heads, interleaved)
         ctx.save_for_backward(cos, sin)
         ctx.heads = (num_heads, num_kv_heads, interleaved)
         # An unused output's gradient stays None: its columns are zeroed, not read.
         ctx.set_materialize_grads(False)
-        head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
-        return q, k, _qkv_heads(qkv, num_heads + num_kv_heads, num_kv_heads, head_dim)
+        return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -533,9 +534,11 @@ def rope_qkv(
         ``(q, k, v)``: rotated q [batch, num_heads, seq, head_dim] and k [batch,
         num_kv_heads, seq, head_dim], laid out as [batch, seq, heads, head_dim] (as an HF
         ``transpose(1, 2)`` is: SDPA then writes its output so that it reshapes to [batch,
-        seq, dim] without a copy), and v, a strided [batch, num_kv_heads, seq, head_dim]
-        view of ``qkv`` (no copy). Backward writes
-        the gradient of ``qkv`` in one buffer, each column block once.
+        seq, dim] without a copy), and v [batch, num_kv_heads, seq, head_dim], a copy in
+        the same layout: a view would keep the whole projection alive for attention's
+        backward, which saves v (in the LLaMA-style 0.75B, 8 KiB per token and layer more
+        than q, k and v need: 768 MiB at 4 x 2048 tokens). Backward writes the gradient of
+        ``qkv`` in one buffer, each column block once.
 
     Raises:
         ValueError: ``qkv`` is not 3-d or has an unsupported dtype, the head counts are

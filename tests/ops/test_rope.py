@@ -97,7 +97,7 @@ def test_layouts_of_outputs_and_strided_inputs(device):
     assert q.shape == (2, 4, 7, 16) and k.shape == v.shape == (2, 2, 7, 16)
     # laid out as [batch, seq, heads, head_dim]: SDPA's output then reshapes without a copy
     assert dim_order(q) == dim_order(k) == [0, 2, 1, 3]
-    assert v.data_ptr() == qkv[..., 6 * 16 :].data_ptr() and v._base is not None  # a view, no copy
+    assert dim_order(v) == [0, 2, 1, 3] and v.untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr()
     for got, expected in zip((q, k, v), rope_qkv_ref(qkv, cos, sin, 4, 2), strict=True):
         torch.testing.assert_close(got, expected)
 
@@ -225,3 +225,20 @@ def test_llama_sized_bf16(interleaved):
     torch.testing.assert_close(dqkv.double(), dexact, atol=2e-2, rtol=1e-2)
     q_hf = qkv.detach()[..., : heads * head_dim].unflatten(-1, (heads, head_dim)).transpose(1, 2)
     torch.testing.assert_close(rope(q_hf, cos, sin, interleaved=interleaved), outputs[0], atol=0, rtol=0)
+
+
+def test_rope_qkv_lets_attention_free_the_projection(device):
+    """Attention saves v for its backward; a view of qkv would keep the whole projection alive."""
+    qkv = torch.randn(2, 7, 3 * 2 * 16, device=device, requires_grad=True) * 1.0  # a non-leaf, as a GEMM's output
+    cos, sin = torch.randn(7, 16, device=device), torch.randn(7, 16, device=device)
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        q, k, v = rope_qkv(qkv, cos, sin, 2, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert qkv.untyped_storage().data_ptr() not in saved
+    out.sum().backward()
