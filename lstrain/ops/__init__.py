@@ -13,7 +13,7 @@ from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_
 from lstrain.ops.qkv_projection import qkv_projection, qkv_projection_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
 from lstrain.ops.rope import rope, rope_qkv, rope_qkv_ref, rope_ref
-from lstrain.ops.silu_mul import silu_mul, silu_mul_ref
+from lstrain.ops.silu_mul import silu_mul, silu_mul_linear, silu_mul_linear_ref, silu_mul_ref
 from lstrain.ops.swiglu import swiglu_mlp, swiglu_mlp_ref
 
 __all__ = [
@@ -45,6 +45,8 @@ __all__ = [
     "rope_qkv_ref",
     "rope_ref",
     "silu_mul",
+    "silu_mul_linear",
+    "silu_mul_linear_ref",
     "silu_mul_ref",
     "swiglu_mlp",
     "swiglu_mlp_ref",

@@ -4,9 +4,10 @@ Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family'
 modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
 *same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
 untouched), and transformers' composite tanh GELU (no parameters) by torch's one-kernel
-``GELU(approximate="tanh")``; each SwiGLU MLP gets an instance ``forward`` that runs its SiLU
-and product through ``lstrain.ops.silu_mul``; for a model with an LM head, an instance attribute ``forward`` shadows the
-class's forward to compute the loss through ``lstrain.ops.linear_cross_entropy``; and each
+``GELU(approximate="tanh")``; each SwiGLU MLP gets an instance ``forward`` that runs its SiLU,
+product and down projection through ``lstrain.ops.silu_mul_linear``; for a model with an LM
+head, an instance attribute ``forward`` shadows the class's forward to compute the loss
+through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
 ``lstrain.ops.rope``. The class, every other instance of it and transformers' module
 functions are left as they were; ``unpatch`` puts the original modules back and removes
@@ -207,13 +208,18 @@ _SILUS = ("torch.nn.modules.activation.SiLU", "transformers.activations.SiLUActi
 _MLP_ROUTE = "act_fn(gate_proj(x)) * up_proj(x)"
 
 
-def _silu_mul_mlp_forward():
+def _silu_mul_mlp_forward(with_down_proj: bool):
     """A forward for one SwiGLU MLP module (a new function each: ``_set_forward`` gives it
     the wrapped forward's name and signature): transformers' LlamaMLP forward with the SiLU
-    and the product in one kernel each way."""
+    and the product in one kernel each way; ``with_down_proj``: the down projection too
+    (``silu_mul_linear``, which saves gate and up but not the product), where it is a plain
+    ``torch.nn.Linear`` without hooks."""
 
     def forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(lstrain.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        if with_down_proj:
+            return lstrain.ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return mlp.down_proj(lstrain.ops.silu_mul(gate, up))
 
     return forward
 
@@ -242,8 +248,11 @@ def _route_mlps(model: torch.nn.Module, family: Family, enabled: bool, state: _P
         elif (reason := _mlp_reason(module)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
-            _set_forward(module, _silu_mul_mlp_forward(), state)
-            report.swapped.append(Swapped(path, _MLP_ROUTE, "lstrain.ops.silu_mul"))
+            down = module.down_proj
+            with_down_proj = type(down) is torch.nn.Linear and not _has_hooks(down)
+            _set_forward(module, _silu_mul_mlp_forward(with_down_proj), state)
+            op = "lstrain.ops.silu_mul_linear" if with_down_proj else "lstrain.ops.silu_mul"
+            report.swapped.append(Swapped(path, _MLP_ROUTE, op))
 
 
 def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str):
@@ -456,7 +465,9 @@ def patch(
             GPT-2's ``gelu_new``) by ``torch.nn.GELU(approximate="tanh")``: the same function
             in one kernel each way instead of seven elementwise kernels and their backward;
             and run the SiLU and product of the family's SwiGLU MLPs (LlamaMLP, ...)
-            through ``lstrain.ops.silu_mul`` (one kernel each way, one rounding).
+            through ``lstrain.ops.silu_mul_linear`` with their down projection (one kernel
+            each way, one rounding, the product not saved; ``silu_mul`` where the down
+            projection is not a plain ``torch.nn.Linear`` or has hooks).
         cross_entropy: compute the LM-head loss without logits.
 
     Returns:

@@ -43,6 +43,8 @@ from lstrain.ops import (
     rope_qkv_ref,
     rope_ref,
     silu_mul,
+    silu_mul_linear,
+    silu_mul_linear_ref,
     silu_mul_ref,
     swiglu_mlp,
     swiglu_mlp_ref,
@@ -64,6 +66,7 @@ from lstrain.testing.strategies import (
     rope_cases,
     rope_qkv_cases,
     silu_mul_cases,
+    silu_mul_linear_cases,
     swiglu_cases,
 )
 
@@ -399,6 +402,29 @@ def _run_silu_mul(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_silu_mul_linear(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape, dtype, out_features = case["shape"], case["dtype"], case["out_features"]
+    if case["packed"]:  # gate and up as the column halves of one projection: rows strided
+        packed = _randn((*shape[:-1], 2 * shape[-1]), gen, device, dtype)
+        gate, up = packed[..., : shape[-1]] * case["scale"], packed[..., shape[-1] :]
+    else:
+        gate, up = _randn(shape, gen, device, dtype) * case["scale"], _randn(shape, gen, device, dtype)
+    weight = _randn((out_features, shape[-1]), gen, device, dtype) * shape[-1] ** -0.5
+    inputs = {"gate": gate, "up": up, "weight": weight}
+    if case["bias"]:
+        inputs["bias"] = _randn((out_features,), gen, device, dtype)
+
+    def run(fn):
+        return lambda gate, up, weight, bias=None: fn(gate, up, weight, bias)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(silu_mul_linear), run(silu_mul_linear_ref), inputs, atol=_atol(dtype, device), generator=gen
+        )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 def _run_embedding(case: dict, device: str) -> CheckResult:
     gen = torch.Generator().manual_seed(case["seed"])
     dtype, vocab, dim = case["dtype"], case["vocab"], case["dim"]
@@ -514,6 +540,12 @@ OP_CHECKS: dict[str, OpCheck] = {
     "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
     "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
     "silu_mul": OpCheck("silu_mul", silu_mul_cases, _run_silu_mul),
+    "silu_mul_linear": OpCheck(
+        "silu_mul_linear",
+        silu_mul_linear_cases,
+        _run_silu_mul_linear,
+        sizes=lambda case: (*case["shape"], case["out_features"]),
+    ),
     "embedding": OpCheck(
         "embedding", embedding_cases, _run_embedding, sizes=lambda case: (*case["tokens"], case["dim"])
     ),

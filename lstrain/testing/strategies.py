@@ -36,6 +36,7 @@ __all__ = [
     "row_widths",
     "seeds",
     "silu_mul_cases",
+    "silu_mul_linear_cases",
     "swiglu_cases",
     "size_limits",
 ]
@@ -322,6 +323,16 @@ def silu_mul_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) 
         "scale": draw(st.sampled_from([1.0, 1.0, 30.0])),
         "seed": draw(seeds()),
     }
+
+
+@st.composite
+def silu_mul_linear_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A silu(gate) * up + down projection case: :func:`silu_mul_cases`' fields, the
+    projection's output width and whether it has a bias."""
+    case = draw(silu_mul_cases(device, dtype))
+    case["out_features"] = draw(st.integers(1, 48 if device == "cpu" else 2048))
+    case["bias"] = draw(st.booleans())
+    return case
 
 
 @st.composite

@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
-from lstrain.ops import silu_mul, silu_mul_ref
+from lstrain.ops import silu_mul, silu_mul_linear, silu_mul_ref
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
-from lstrain.testing.strategies import silu_mul_cases
+from lstrain.testing.strategies import silu_mul_cases, silu_mul_linear_cases
 from tests.conftest import DEVICE, EXPECTED_BACKEND
 
 CHECK = OP_CHECKS["silu_mul"]
@@ -70,3 +70,37 @@ def test_bad_dtypes_are_named():
         silu_mul(gate, gate.half())
     with pytest.raises(ValueError, match="gate has dtype torch.int64"):
         silu_mul(torch.ones(3, dtype=torch.long, device=DEVICE), torch.ones(3, dtype=torch.long, device=DEVICE))
+
+
+LINEAR_CHECK = OP_CHECKS["silu_mul_linear"]
+
+
+def _linear_case(out_features=5, bias=True, **kwargs):
+    return {**_case(**kwargs), "out_features": out_features, "bias": bias}
+
+
+@settings(max_examples=10) if DEVICE == "cpu" else settings()
+@given(case=silu_mul_linear_cases(DEVICE))
+@example(case=_linear_case(shape=(1, 1), out_features=1))
+@example(case=_linear_case(shape=(2, 3, 257), dtype=torch.bfloat16, packed=True, bias=False))
+@example(case=_linear_case(shape=(33, 70), dtype=torch.float16, scale=30.0, out_features=40))
+def test_with_the_down_projection_matches_torch(case):
+    result = LINEAR_CHECK.run(case, DEVICE)
+    assert set(result.backends) == {EXPECTED_BACKEND}
+    assert_all_passed(result.comparisons, str(case))
+
+
+def test_with_the_down_projection_the_product_is_not_saved():
+    gate = torch.randn(64, 96, device=DEVICE, requires_grad=True)
+    up = torch.randn(64, 96, device=DEVICE, requires_grad=True)
+    weight = torch.randn(8, 96, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = silu_mul_linear(gate, up, weight)
+    assert sorted(saved) == sorted([gate.shape, up.shape, weight.shape])  # no [64, 96] product beside them
+    y.square().sum().backward()
+    assert weight.grad.is_contiguous() and gate.grad.shape == gate.shape
+    with pytest.raises(ValueError, match=r"weight must be \[out, 96\]"):
+        silu_mul_linear(gate, up, torch.randn(8, 95, device=DEVICE))
+    with pytest.raises(ValueError, match=r"bias has shape \(7,\), expected \(8,\)"):
+        silu_mul_linear(gate, up, weight, torch.randn(7, device=DEVICE))

@@ -101,10 +101,10 @@ def test_patched_loss_and_gradients_match_hf(family, tied):
     expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
     with _backend.record_backends() as ran:
         got, grads = _loss_and_grads(model, input_ids, labels)
-    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.silu_mul"] == [
+    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.silu_mul_linear"] == [
         f"model.layers.{i}.mlp" for i in range(LAYERS)
     ]
-    assert {"rms_norm", "linear_cross_entropy", "silu_mul"} <= {op for op, _ in ran}
+    assert {"rms_norm", "linear_cross_entropy", "silu_mul_linear"} <= {op for op, _ in ran}
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert got.logits is None, "the patched loss must not build logits"
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
@@ -380,3 +380,20 @@ def test_an_mlp_without_silu_is_left_alone():
     assert all(f"model.layers.{i}.mlp" in reasons for i in range(LAYERS))
     assert "act_fn is" in reasons["model.layers.0.mlp"] and "not SiLU" in reasons["model.layers.0.mlp"]
     assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_an_mlp_whose_down_proj_has_a_hook_keeps_it():
+    reference = _model("llama")
+    model = copy.deepcopy(reference)
+    calls = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
+    report = lstrain.patch(model)
+    routes = {s.path: s.new_type for s in report.swapped if s.old_type == instance._MLP_ROUTE}
+    assert routes == {"model.layers.0.mlp": "lstrain.ops.silu_mul", "model.layers.1.mlp": "lstrain.ops.silu_mul_linear"}
+    input_ids, labels = _batch(False)
+    expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
+    got, grads = _loss_and_grads(model, input_ids, labels)
+    assert calls, "the hook ran"
+    torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
