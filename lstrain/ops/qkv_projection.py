@@ -13,6 +13,8 @@ docs/notes/step_profiles.md).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,7 +23,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
-from lstrain.ops._lib.dropout import elementwise_plan
+from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, matmul_like
 from lstrain.ops._lib.partial_sums import sum_partials
@@ -31,12 +33,7 @@ __all__ = ["QKVProjectionFunction", "pack_heads_grad", "qkv_projection", "qkv_pr
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-_STRIDES = [f"{part}_{dim}_stride" for part in "qkv" for dim in ("batch", "head", "seq")]
-
-
-# The strides are not specialized (a stride of 1 would become a constant in one branch of
-# the part select and a value in another, which Triton cannot merge).
-@triton.jit(do_not_specialize=_STRIDES)
+@triton.jit
 def _pack_heads_grad_kernel(
     dq_ptr,
     dk_ptr,
@@ -64,28 +61,23 @@ def _pack_heads_grad_kernel(
     """Program (column block, part, walker) copies columns of dq / dk / dv (``part`` 0 / 1
     / 2; last dim contiguous) into dqkv[:, part * dim + col] over the walker's row tiles,
     and writes its column sums (fp32) to ``partial[walker, part * dim + col]``."""
-    col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    # A column block lies within one head (BLOCK_COLS divides head_dim): its source
+    # columns are one contiguous run, which Triton vectorizes.
+    first_col = tl.program_id(0) * BLOCK_COLS
+    col = first_col + tl.arange(0, BLOCK_COLS)
     part = tl.program_id(1)
     walker = tl.program_id(2)
     walkers = tl.num_programs(2)
     col_ok = col < dim
-    if part == 0:
-        src_ptr = dq_ptr
-        batch_stride, head_stride, seq_stride = (
-            q_batch_stride.to(tl.int64), q_head_stride.to(tl.int64), q_seq_stride.to(tl.int64)
-        )  # fmt: skip
-    elif part == 1:
-        src_ptr = dk_ptr
-        batch_stride, head_stride, seq_stride = (
-            k_batch_stride.to(tl.int64), k_head_stride.to(tl.int64), k_seq_stride.to(tl.int64)
-        )  # fmt: skip
-    else:
-        src_ptr = dv_ptr
-        batch_stride, head_stride, seq_stride = (
-            v_batch_stride.to(tl.int64), v_head_stride.to(tl.int64), v_seq_stride.to(tl.int64)
-        )  # fmt: skip
-    head = col // head_dim
-    col_offset = head.to(tl.int64) * head_stride + (col - head * head_dim)
+    # Selects, not branches: a stride Triton made a constant (1) in one part merges with
+    # the others', and the strides' divisibility hints survive (vectorized loads).
+    is_q, is_k = part == 0, part == 1
+    src_ptr = tl.where(is_q, dq_ptr, tl.where(is_k, dk_ptr, dv_ptr))
+    batch_stride = tl.where(is_q, q_batch_stride, tl.where(is_k, k_batch_stride, v_batch_stride)).to(tl.int64)
+    head_stride = tl.where(is_q, q_head_stride, tl.where(is_k, k_head_stride, v_head_stride)).to(tl.int64)
+    seq_stride = tl.where(is_q, q_seq_stride, tl.where(is_k, k_seq_stride, v_seq_stride)).to(tl.int64)
+    head = first_col // head_dim
+    col_offset = head.to(tl.int64) * head_stride + (first_col - head * head_dim) + tl.arange(0, BLOCK_COLS)
     width = 3 * dim
     acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
     for first in tl.range(walker * BLOCK_ROWS, rows, walkers * BLOCK_ROWS, num_stages=NUM_STAGES):
@@ -99,6 +91,15 @@ def _pack_heads_grad_kernel(
             acc += g.to(tl.float32)
     if BIAS_GRAD:
         tl.store(partial_ptr + walker.to(tl.int64) * width + part * dim + col, tl.sum(acc, axis=0), mask=col_ok)
+
+
+@functools.cache
+def _pack_plan(head_dim: int) -> ElementwisePlan:
+    """The elementwise plan's 4096-element tiles with column blocks that divide ``head_dim``
+    (the largest power of two that does, at most 256), so that none straddles two heads."""
+    block_cols = min(256, head_dim & -head_dim)
+    base = elementwise_plan(block_cols)
+    return ElementwisePlan(max(1, 4096 // block_cols), block_cols, base.num_warps)
 
 
 def pack_heads_grad(
@@ -129,7 +130,7 @@ def pack_heads_grad(
             grads[1].zero_()
         return grads
     dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
-    plan = elementwise_plan(dim)
+    plan = _pack_plan(head_dim)
     col_blocks = cdiv(dim, plan.block_cols)
     sms = _backend.multiprocessor_count(_backend.device_index(dq))
     walkers = max(1, min(cdiv(rows, plan.block_rows), sms * plan.programs_per_sm // (3 * col_blocks)))

@@ -108,8 +108,10 @@ def silu_mul_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, store
         _silu_mul_bwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
             dout2d, gate2d, up2d, outputs[0], outputs[1], outputs[-1], rows, cols, dout2d.stride(0),
             gate2d.stride(0), up2d.stride(0),
+            # three inputs and up to three outputs per element: twice the forward's warps,
+            # or the 4096-element tile spills (255 registers with the product, 4 warps)
             STORE_PRODUCT=store_product, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
-            num_warps=plan.num_warps,
+            num_warps=2 * plan.num_warps,
         )  # fmt: skip
     return outputs
 

@@ -29,7 +29,9 @@ from lstrain.optim.rounding import rounding_key
 __all__ = ["FusedAdamW"]
 
 
-@triton.jit
+# The seed is a value, never a constant: Triton would make a seed of 1 (a second buffer's,
+# from the default 0) a constexpr, with no .to() for the Philox key.
+@triton.jit(do_not_specialize=["seed", "rng_offset"])
 def _adamw_kernel(
     param_ptr,
     grad_ptr,

@@ -25,8 +25,9 @@ __all__ = ["random_halves", "rounding_key", "round_to_bf16"]
 
 @triton.jit
 def rounding_key(seed, step):
-    """The Philox key of one parameter's step: ``seed`` (an int below 2**31) in the low
-    32 bits, the step count (fp32 or fp64, a whole number) in the high ones."""
+    """The Philox key of one parameter's step: ``seed`` (an int below 2**31, an argument
+    the kernel does not specialize: a constant has no ``.to``) in the low 32 bits, the step
+    count (fp32 or fp64, a whole number) in the high ones."""
     return seed.to(tl.int64) + (step.to(tl.int64) << 32)
 
 

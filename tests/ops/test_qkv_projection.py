@@ -33,6 +33,7 @@ def _case(shape=(2, 5), in_features=7, heads=3, head_dim=8, bias=True, dtype=tor
 @example(case=_case(shape=(1, 1), in_features=1, heads=1, head_dim=1))
 @example(case=_case(dtype=torch.bfloat16, bias=False))
 @example(case=_case(shape=(3, 70), heads=2, head_dim=600, dtype=torch.float16))  # 2 column blocks, many walkers
+@example(case=_case(shape=(2, 40), in_features=32, heads=2, head_dim=64, dtype=torch.bfloat16))  # GPT-2's heads
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
