@@ -162,6 +162,19 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return out
 
 
+def _optimizer_label(stepper: _Stepper) -> str:
+    """The optimizer as the start-up line names it, with its precision where it is not the
+    default (fp32 master weights and moments)."""
+    if not stepper.fused:
+        return "torch.optim.AdamW over flat buffers"
+    optimizer = stepper.optimizer
+    label = type(optimizer).__name__
+    changes = [] if optimizer.master_weights else ["no master weights"]
+    if optimizer.state_dtype != torch.float32:
+        changes.append(f"{str(optimizer.state_dtype).removeprefix('torch.')} moments, rounded stochastically")
+    return f"{label} ({', '.join(changes)})" if changes else label
+
+
 class _Stepper:
     """One optimizer step: micro-batches' forward and backward, the gradient all-reduce,
     clipping, the (loss-scaled) update. Eager, or captured in a CUDA graph.
@@ -475,7 +488,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         f"vocab {model_config.vocab_size}; {training.local_batch_size} x {world.size} rank(s) x {training.seq_len} "
         f"x {accumulation} accumulation = {tokens_per_step} tokens per step; {training.steps} steps on {device} "
         f"({'lstrain kernels' if model_config.fused else 'plain-PyTorch model'}, "
-        f"{'FusedAdamW' if stepper.fused else 'torch.optim.AdamW over flat buffers'}, {training.mixed_precision})"
+        f"{_optimizer_label(stepper)}, {training.mixed_precision})"
     )
     if start_checkpoint is not None:
         say(f"resuming from {start_checkpoint} (step {start_step})")

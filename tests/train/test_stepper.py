@@ -9,7 +9,7 @@ from lstrain import _backend
 from lstrain.data import build_data
 from lstrain.models import GPT2
 from lstrain.train.capture import rewind, snapshot
-from lstrain.train.loop import _Stepper, _to_device, _World
+from lstrain.train.loop import _optimizer_label, _Stepper, _to_device, _World
 from tests.train.helpers import micro_run
 
 pytestmark = pytest.mark.skipif(
@@ -51,6 +51,7 @@ def test_the_optimizer_section_can_drop_master_weights(tmp_path, monkeypatch):
     model = GPT2(run.model.build(259)).to(torch.bfloat16).train()
     stepper = _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), accumulation=1)
     assert stepper.optimizer.master_weights is False and stepper.optimizer.state_dtype == torch.bfloat16
+    assert _optimizer_label(stepper) == "FusedAdamW (no master weights, bfloat16 moments, rounded stochastically)"
     data = build_data(run.data, seq_len=32, seed=0)
     before = [p.detach().clone() for p in model.parameters()]
     assert torch.isfinite(stepper.eager([_to_device(data.train.batch(0, 2), torch.device("cpu"))]))
