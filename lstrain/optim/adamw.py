@@ -223,5 +223,5 @@ class FusedAdamW(FlatOptimizer):
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,
             num_warps=4,
-            **self._rounding(index),
+            **self._rounding[index],
         )  # fmt: skip

@@ -275,20 +275,19 @@ class FlatOptimizer(torch.optim.Optimizer):
                 _OWNERS[p] = weakref.ref(self)
         self._where = {id(p): (i, slot) for i, b in enumerate(self.flat.buffers) for slot, p in enumerate(b.params)}
         self._outside = [p for g in self.param_groups for p in g["params"] if id(p) not in self._where]
-
-    def _rounding(self, index: int, start: int = 0) -> dict:
-        """The update kernels' stochastic-rounding arguments for flat buffer ``index``, from
-        its element ``start`` (a ZeRO shard's first): the seed (one per buffer), where the
-        launch starts in the buffer (the random counters are the whole buffer's, so a shard
-        rounds as one process would), and whether the weights (bf16 without a master) and
-        the state (bf16) are rounded."""
-        buffer = self.flat.buffers[index]
-        return {
-            "seed": self.rounding_seed + index,
-            "rng_offset": start,
-            "ROUND_WEIGHT": self._masters[index] is None and buffer.dtype == torch.bfloat16,
-            "ROUND_STATE": self.state_dtype == torch.bfloat16,
-        }
+        # The update kernels' stochastic-rounding arguments per buffer, fixed with the state:
+        # the seed (one per buffer), where the launch starts in the buffer (the random
+        # counters are the whole buffer's, so a ZeRO shard rounds as one process would), and
+        # whether the weights (bf16 without a master) and the state (bf16) are rounded.
+        self._rounding = [
+            {
+                "seed": self.rounding_seed + index,
+                "rng_offset": start,
+                "ROUND_WEIGHT": self._masters[index] is None and buffer.dtype == torch.bfloat16,
+                "ROUND_STATE": self.state_dtype == torch.bfloat16,
+            }
+            for index, (buffer, (start, _)) in enumerate(zip(self.flat.buffers, spans, strict=True))
+        ]
 
     def _locate(self, p: torch.nn.Parameter) -> tuple[int, int, slice]:
         """(buffer index, slot, flat range) of a parameter in the flat buffers."""

@@ -268,7 +268,7 @@ class ZeroAdamW(FusedAdamW):
             CAN_SKIP=found_inf is not None,
             BLOCK=BLOCK,
             num_warps=4,
-            **self._rounding(index, start),
+            **self._rounding[index],
         )  # fmt: skip
         _all_gather(buffer.data, buffer.data[start:end], group=self.process_group)
         # the gather writes the parameters in place: not a write from outside
