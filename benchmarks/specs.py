@@ -321,7 +321,7 @@ def silu_mul_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
 
     impls = {"lstrain": silu_mul, "eager": eager, "torch.compile": eager}
     if (liger := _liger_silu_mul()) is not None:
-        impls["liger"] = liger
+        impls["liger"] = lambda gate, up, liger=liger: liger(gate, up)  # apply() takes no keywords
     # forward reads gate and up, writes the product; backward reads its gradient, gate and
     # up, writes both gradients
     min_bytes = 8 * rows * cols * (torch.finfo(dtype).bits // 8)

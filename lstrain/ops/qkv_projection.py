@@ -160,7 +160,10 @@ def pack_heads_grad_op(
 
 def _split(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, seq, width = qkv.shape
-    return qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    parts = qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4)
+    # indexed, not unbind(): torch.compile's autograd refuses the in-place updates its
+    # regenerated views need on the outputs of a multi-view function
+    return parts[0], parts[1], parts[2]
 
 
 class QKVProjectionFunction(torch.autograd.Function):

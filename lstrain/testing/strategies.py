@@ -315,7 +315,9 @@ def silu_mul_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) 
     """A silu(gate) * up case: [*, F], whether gate and up are column halves of one packed
     tensor (strided rows), a scale of the values (large ones saturate the sigmoid), seed."""
     limits = size_limits(device)
-    leading = draw(st.lists(st.integers(1, 5), min_size=0, max_size=2))
+    # one leading dim at most: the check holds fp64 copies of gate, up and their gradients,
+    # which at 5 x 5 x rows x cols ran a GPU worker out of memory
+    leading = draw(st.lists(st.integers(1, 3), min_size=0, max_size=1))
     return {
         "shape": (*leading, draw(st.integers(1, limits["rows"])), draw(row_widths(limits["cols"]))),
         "dtype": dtype or draw(dtypes()),
@@ -330,7 +332,7 @@ def silu_mul_linear_cases(draw, device: str = "cpu", dtype: torch.dtype | None =
     """A silu(gate) * up + down projection case: :func:`silu_mul_cases`' fields, the
     projection's output width and whether it has a bias."""
     case = draw(silu_mul_cases(device, dtype))
-    case["out_features"] = draw(st.integers(1, 48 if device == "cpu" else 2048))
+    case["out_features"] = draw(st.integers(1, 48 if device == "cpu" else 256))
     case["bias"] = draw(st.booleans())
     return case
 
