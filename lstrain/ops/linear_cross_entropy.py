@@ -121,7 +121,10 @@ class _ChunkGradients:
         if self.hidden is not None:
             torch.mm(grad_logits, weight, out=self.hidden[rows])  # no product buffer, no copy
         if self.weight is not None:
-            target = self.weight[: grad_logits.shape[1]]  # leading rows: contiguous
+            # the leading rows (contiguous); the buffer itself when it is not padded: under
+            # torch.compile a sliced out= view failed AOTAutograd on the H200
+            width = grad_logits.shape[1]
+            target = self.weight if width == self.weight.shape[0] else self.weight[:width]
             first = rows.start == 0
             if first and target.dtype == grad_logits.dtype:
                 torch.mm(grad_logits.t(), hidden_c, out=target)  # no zero fill, no read
@@ -133,7 +136,10 @@ class _ChunkGradients:
             self.bias += grad_logits[:, : self.vocab].sum(dim=0, dtype=torch.float32)
 
     def weight_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if self.weight is None else self.weight[: self.vocab].to(dtype)
+        if self.weight is None:
+            return None
+        rows = self.weight if self.weight.shape[0] == self.vocab else self.weight[: self.vocab]
+        return rows.to(dtype)
 
 
 # Row stride of a chunk's logits, in elements: cuBLAS falls back to slow unaligned kernels
