@@ -218,8 +218,7 @@ def qkv_projection(
     """q, k and v of a packed projection ``F.linear(x, weight, bias)``, split into heads.
 
     The forward is ``F.linear`` and views; the backward packs the three gradients and sums
-    the bias gradient in one kernel (see the module's docstring); under ``torch.compile``
-    it is the plain path, which Inductor fuses. Under ``torch.autocast``
+    the bias gradient in one kernel (see the module's docstring). Under ``torch.autocast``
     the GEMMs run in autocast's dtype, as ``F.linear`` does.
 
     Args:
@@ -241,10 +240,7 @@ def qkv_projection(
     x, weight, bias = autocast_inputs(x, weight, bias)
     backend = _backend.backend_for(x)
     _backend.note("qkv_projection", backend)
-    # Under torch.compile the plain path: AOTAutograd refuses the Function's outputs (views of
-    # one intermediate, saved for attention's backward: "a view ... of a function that returns
-    # multiple views ... modified inplace"), and Inductor fuses the stack and the bias sum itself.
-    if backend == "reference" or not differentiated(x, weight, bias) or torch.compiler.is_compiling():
+    if backend == "reference" or not differentiated(x, weight, bias):
         return qkv_projection_ref(x, weight, bias, heads)
     return QKVProjectionFunction.apply(x, weight, bias, heads)
 
