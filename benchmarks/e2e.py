@@ -735,7 +735,11 @@ def write_profile(step: StepFn, batch: tuple, device: torch.device, path: Path, 
     )
     if kernels:
         total_us = sum(e.self_device_time_total for e in kernels)
-        lines += [f"GPU time of the step: {total_us / 1e3:.2f} ms in {sum(e.count for e in kernels)} kernel runs", ""]
+        lines.append(f"GPU time of the step: {total_us / 1e3:.2f} ms in {sum(e.count for e in kernels)} kernel runs")
+        # the first kernel's start to the last one's end: what the busy time leaves idle is launch gaps
+        runs = [e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA]
+        span_us = max(r.end for r in runs) - min(r.start for r in runs)
+        lines += [f"GPU span of the step: {span_us / 1e3:.2f} ms (busy {100 * total_us / span_us:.1f}%)", ""]
         lines.append(f"{'ms':>9} {'%':>6} {'calls':>6}  kernel")
         for e in kernels[:40]:
             share = 100 * e.self_device_time_total / total_us

@@ -636,7 +636,8 @@ def render_profiles(profiles: list[str]) -> list[str]:
     for text in profiles:
         head = text.split("\n\n")[:3]  # the title, the total, the kernel table
         table = head[2].splitlines()[: PROFILE_KERNELS + 1] if len(head) > 2 else []
-        lines += ["", f"**{head[0].strip()}**: {head[1].strip() if len(head) > 1 else ''}", "", "```", *table, "```"]
+        totals = "; ".join(head[1].strip().splitlines()) if len(head) > 1 else ""  # busy time, span
+        lines += ["", f"**{head[0].strip()}**: {totals}", "", "```", *table, "```"]
     return lines
 
 

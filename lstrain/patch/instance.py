@@ -9,8 +9,10 @@ product and down projection through ``lstrain.ops.silu_mul_linear``; for a model
 head, an instance attribute ``forward`` shadows the class's forward to compute the loss
 through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
-``lstrain.ops.rope``. The class, every other instance of it and transformers' module
-functions are left as they were; ``unpatch`` puts the original modules back and removes
+``lstrain.ops.rope``; a config whose attention implementation is "sdpa" names
+``lstrain.patch.attention.SKIP_SDPA`` instead (transformers' SDPA, with its mask skip kept
+under CUDA-graph capture and torch.compile). The class, every other instance of it and
+transformers' module functions are left as they were; ``unpatch`` puts the original modules back and removes
 (or restores) the instance ``forward`` attributes.
 
 Numerics of the RMSNorm swap: transformers' LlamaRMSNorm (and Mistral's, Qwen2's) computes
@@ -36,6 +38,7 @@ import torch
 import lstrain.ops
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.rms_norm import RMSNorm
+from lstrain.patch.attention import SKIP_SDPA, register_skip_sdpa
 from lstrain.patch.families import Family, family_of
 from lstrain.patch.loss import LOSSES
 
@@ -96,6 +99,8 @@ class _PatchState:
     modules: list[tuple[torch.nn.Module, str, torch.nn.Module]]
     # (module, the instance forward it had before, or None) of every module given a forward.
     forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)
+    # (config, its attention implementation before) of a config given SKIP_SDPA.
+    configs: list[tuple[object, str]] = field(default_factory=list)
 
 
 def _type_name(module: object) -> str:
@@ -346,6 +351,19 @@ def _route_rope(model: torch.nn.Module, family: Family, enabled: bool, state: _P
             report.swapped.append(Swapped(path, _ROPE_ROUTE, "lstrain.ops.rope"))
 
 
+def _route_attention_masks(model: torch.nn.Module, enabled: bool, state: _PatchState) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return  # eager, flash or flex attention: no mask skip to keep
+    if not enabled:
+        state.report.left_alone.append(LeftAlone("config", "sdpa_mask_skip=False"))
+    else:
+        register_skip_sdpa()
+        config._attn_implementation = SKIP_SDPA
+        state.configs.append((config, "sdpa"))
+        state.report.swapped.append(Swapped("config", "attention 'sdpa'", f"attention {SKIP_SDPA!r}"))
+
+
 def _return_input(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
@@ -439,6 +457,7 @@ def patch(
     rope: bool = True,
     activation: bool = True,
     cross_entropy: bool = True,
+    sdpa_mask_skip: bool = True,
 ) -> PatchReport:
     """Put lstrain's fused modules and loss into a Hugging Face model instance, in place.
 
@@ -469,6 +488,11 @@ def patch(
             each way, one rounding, the product not saved; ``silu_mul`` where the down
             projection is not a plain ``torch.nn.Linear`` or has hooks).
         cross_entropy: compute the LM-head loss without logits.
+        sdpa_mask_skip: for a model on transformers' "sdpa" attention, switch the config to
+            ``lstrain.patch.attention.SKIP_SDPA``: the same attention, but a causal or
+            bidirectional mask without padding is SDPA's ``is_causal`` / no mask also when
+            the step is captured in a CUDA graph or compiled, where transformers otherwise
+            builds a (batch, 1, T, T) mask and SDPA leaves its flash kernels.
 
     Returns:
         The report: what was swapped (path, old type, new type), what was left alone and why.
@@ -484,6 +508,7 @@ def patch(
         "rope": rope,
         "activation": activation,
         "cross_entropy": cross_entropy,
+        "sdpa_mask_skip": sdpa_mask_skip,
     }
     state = model.__dict__.get(_STATE)
     if state is not None:
@@ -500,6 +525,7 @@ def patch(
     _route_rope(model, family, rope, state)
     _swap_tanh_gelus(model, family, activation, state)
     _route_mlps(model, family, activation, state)
+    _route_attention_masks(model, sdpa_mask_skip, state)
     if head_path is None:
         state.report.left_alone.append(LeftAlone("", f"{type(model).__name__} has no LM head, so no loss to fuse"))
     elif not cross_entropy:
@@ -535,4 +561,6 @@ def unpatch(model: torch.nn.Module) -> bool:
             del module.forward
         else:
             module.forward = previous
+    for config, implementation in reversed(state.configs):
+        config._attn_implementation = implementation
     return True

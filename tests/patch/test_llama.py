@@ -280,10 +280,11 @@ def test_base_models_patch_rms_norms(family):
 
 def test_options_leave_rms_norms_and_attention_alone():
     model = _model("qwen2")
-    report = lstrain.patch(model, rms_norm=False, rope=False, activation=False, cross_entropy=False)
+    options = {"rms_norm": False, "rope": False, "activation": False, "cross_entropy": False, "sdpa_mask_skip": False}
+    report = lstrain.patch(model, **options)
     assert report.swapped == [] and all("forward" not in m.__dict__ for m in model.modules())
-    reasons = {item.reason for item in report.left_alone}
-    assert reasons == {"rms_norm=False", "rope=False", "activation=False", "cross_entropy=False"}
+    assert model.config._attn_implementation == "sdpa"
+    assert {item.reason for item in report.left_alone} == {f"{option}=False" for option in options}
 
 
 def test_unsupported_llama_class_names_the_supported_ones():
