@@ -14,18 +14,44 @@ on them), so the skip is as right there as it is eagerly.
 ``SKIP_SDPA`` names an attention implementation that is transformers' own SDPA forward,
 with a mask function that returns None whenever no padding mask is given and transformers'
 own rule would skip eagerly, and otherwise is transformers' ``sdpa_mask``.
+
+Without a cache (``use_cache=False``) and a padding mask, transformers also looks for packed
+sequences in the position ids, and while tracing it cannot read them, so it disallows the
+skip. A patched base model that makes its position ids itself (none given: ``arange``, one
+sequence per row) runs inside :func:`implied_positions`, under which the mask function
+skips a causal mask anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 
 import torch
 
-__all__ = ["SKIP_SDPA", "register_skip_sdpa"]
+__all__ = ["SKIP_SDPA", "implied_positions", "register_skip_sdpa"]
 
 # The attention implementation name the patch gives a model whose config says "sdpa".
 SKIP_SDPA = "lstrain_sdpa"
+# True while a patched base model runs on position ids it made itself, without a padding
+# mask or a cache.
+_IMPLIED_POSITIONS = contextvars.ContextVar("lstrain_implied_positions", default=False)
+
+
+@contextlib.contextmanager
+def implied_positions(implied: bool):
+    """Tell the mask function whether the forward inside made its own position ids (no
+    packed sequences) and has neither a padding mask nor a cache.
+
+    Args:
+        implied: that it has.
+    """
+    token = _IMPLIED_POSITIONS.set(implied)
+    try:
+        yield
+    finally:
+        _IMPLIED_POSITIONS.reset(token)
 
 
 def _skip_sdpa_mask(sdpa_mask):
@@ -37,7 +63,10 @@ def _skip_sdpa_mask(sdpa_mask):
         if attention_mask is None and within_window and not torch.compiler.is_exporting():
             # transformers' own rule without a padding mask: a causal mask for q_length == 1 or
             # a square one is SDPA's is_causal; a bidirectional one is no mask at all
-            if kwargs.get("allow_is_causal_skip", True) and (q_length == 1 or q_length == kv_length):
+            # transformers disallows it for packed sequences it could not rule out while tracing
+            packed_ruled_out = _IMPLIED_POSITIONS.get() and not kwargs.get("allow_is_bidirectional_skip", False)
+            causal_skip = kwargs.get("allow_is_causal_skip", True) or packed_ruled_out
+            if causal_skip and (q_length == 1 or q_length == kv_length):
                 return None
             if kwargs.get("allow_is_bidirectional_skip", False):
                 return None

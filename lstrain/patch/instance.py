@@ -38,7 +38,7 @@ import torch
 import lstrain.ops
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.rms_norm import RMSNorm
-from lstrain.patch.attention import SKIP_SDPA, register_skip_sdpa
+from lstrain.patch.attention import SKIP_SDPA, implied_positions, register_skip_sdpa
 from lstrain.patch.families import Family, family_of
 from lstrain.patch.loss import LOSSES
 
@@ -362,6 +362,24 @@ def _route_attention_masks(model: torch.nn.Module, enabled: bool, state: _PatchS
         config._attn_implementation = SKIP_SDPA
         state.configs.append((config, "sdpa"))
         state.report.swapped.append(Swapped("config", "attention 'sdpa'", f"attention {SKIP_SDPA!r}"))
+        base = getattr(model, "base_model", model)
+        _set_forward(base, _implied_positions_forward(inspect.signature(base.forward)), state)
+
+
+def _implied_positions_forward(signature: inspect.Signature):
+    """A forward for a base model that tells the mask function when it makes its own
+    position ids and has no padding mask or cache (:func:`implied_positions`)."""
+    unset = ("attention_mask", "position_ids", "past_key_values")
+
+    def forward(base, *args, **kwargs):
+        own = base.__dict__[_WRAPPED]
+        if torch.compiler.is_compiling():  # the skip under compile is transformers' own
+            return own(*args, **kwargs)
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        with implied_positions(all(arguments.get(name) is None for name in unset)):
+            return own(*args, **kwargs)
+
+    return forward
 
 
 def _return_input(hidden: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6} if DEVICE == "cpu" else {"rtol": 1e-4, 
 def _gpt2():
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", use_cache=False,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).to(DEVICE)
@@ -41,7 +41,7 @@ def _bert():
 def _llama():
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa", use_cache=False,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(DEVICE)
@@ -143,12 +143,29 @@ def test_patched_model_keeps_padding_masks(name):
     torch.testing.assert_close(loss, expected, **TOLERANCE)
 
 
+def test_given_position_ids_keep_transformers_packed_sequence_check(monkeypatch):
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    lstrain.patch(model)
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    packed = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, -1).to(DEVICE)  # two sequences a row
+    masks = _sdpa_masks(monkeypatch)
+    _transformers_tracing(monkeypatch)
+    with torch.no_grad():
+        loss = model(input_ids=input_ids, position_ids=packed, labels=input_ids).loss
+    assert len(masks) == 2 and all(mask is not None for mask in masks)
+    monkeypatch.undo()
+    with torch.no_grad():
+        expected = reference(input_ids=input_ids, position_ids=packed, labels=input_ids).loss
+    torch.testing.assert_close(loss, expected, **TOLERANCE)
+
+
 def test_unpatch_restores_the_attention_implementation():
     model = _gpt2()
     lstrain.patch(model)
     assert model.config._attn_implementation == SKIP_SDPA
     assert lstrain.unpatch(model)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.transformer.__dict__
 
 
 def test_models_on_other_attention_are_not_candidates():
