@@ -415,7 +415,8 @@ def lstrain_step(
     forward = torch.compile(model) if compiled else model
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor, *masked: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()  # in place: the gradients stay views of the flat buffers
+        # backward writes the weight matrices' gradients straight into the flat buffers
+        optimizer.zero_grad(set_to_none=True)
         if masked:  # BERT: the fixed-size masked positions (a static shape: capturable)
             positions, masked_labels = masked
             loss = forward(input_ids, labels=masked_labels, masked_positions=positions).loss

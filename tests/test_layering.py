@@ -1,7 +1,7 @@
 """Imports run one way: each lstrain package imports only from the packages below it.
 
 The order, top to bottom: __main__ -> cli -> testing -> config -> train -> patch -> models -> layers
--> nn -> ops / optim / data -> _backend. Packages of one layer (ops, optim, data) import
+-> nn -> ops / optim / data -> _backend / _grad_slots. Packages of one layer (ops, optim, data) import
 none of each other. A new package takes its place in ``LAYERS`` before it can import
 anything.
 """
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lstrain"
 
 # Packages (the first name below lstrain) by layer, lowest first.
 LAYERS = [
-    {"_backend"},
+    {"_backend", "_grad_slots"},
     {"ops", "optim", "data"},
     {"nn"},
     {"layers"},

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers._residual import add_residual
-from lstrain.ops import attention_softmax, qkv_projection, qkv_projection_ref
+from lstrain.ops import attention_softmax, linear, qkv_projection, qkv_projection_ref
 
 __all__ = ["SelfAttention", "sdpa_mask"]
 
@@ -140,7 +140,7 @@ class SelfAttention(torch.nn.Module):
         # its output in [batch, seq, heads, head_dim] order (flash, memory-efficient)
         out = out.transpose(1, 2).reshape(batch, seq, dim)
         if self.fused:
-            y = F.linear(out, self.c_proj.weight)
+            y = linear(out, self.c_proj.weight)
             return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training)
         return residual + F.dropout(self.c_proj(out), self.resid_dropout, self.training)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers._residual import add_residual
-from lstrain.ops import bias_act_dropout
+from lstrain.ops import bias_act_dropout, linear
 
 __all__ = ["ACTIVATIONS", "MLP"]
 
@@ -70,8 +70,8 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            h = bias_act_dropout(F.linear(x, self.c_fc.weight), self.c_fc.bias, activation=self.activation)
-            y = F.linear(h, self.c_proj.weight)
+            h = bias_act_dropout(linear(x, self.c_fc.weight), self.c_fc.bias, activation=self.activation)
+            y = linear(h, self.c_proj.weight)
             return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training)
         y = self.c_proj(ACTIVATIONS[self.activation](self.c_fc(x)))
         return residual + F.dropout(y, self.dropout, self.training)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers.attention import sdpa_mask
-from lstrain.ops import rope_qkv, rope_qkv_ref, rope_ref
+from lstrain.ops import linear, rope_qkv, rope_qkv_ref, rope_ref
 
 __all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
 
@@ -196,7 +196,7 @@ class RotaryAttention(torch.nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         rotary = rope_qkv if self.fused else rope_qkv_torch
-        q, k, v = rotary(self.qkv_proj(x), cos, sin, self.heads, self.kv_heads)
+        q, k, v = rotary(self._project(self.qkv_proj, x), cos, sin, self.heads, self.kv_heads)
         p = self.attn_dropout if self.training else 0.0
         if self.kv_heads != self.heads and key_padding_mask is None and _SDPA_HAS_GQA:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
@@ -205,7 +205,11 @@ class RotaryAttention(torch.nn.Module):
                 k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
             mask = None if key_padding_mask is None else sdpa_mask(key_padding_mask, seq, True, q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+        return self._project(self.o_proj, out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+
+    def _project(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        # fused: lstrain's linear, whose weight gradient goes straight into a flat gradient buffer
+        return linear(x, module.weight, module.bias) if self.fused else module(x)
 
     def _sizes(self) -> tuple[int, int, int]:
         return self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim

@@ -9,6 +9,7 @@ from lstrain.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lstrain.ops.embedding import embedding, embedding_ref
 from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
+from lstrain.ops.linear import linear, linear_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from lstrain.ops.qkv_projection import qkv_projection, qkv_projection_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
@@ -34,6 +35,8 @@ __all__ = [
     "gemm_ref",
     "layer_norm",
     "layer_norm_ref",
+    "linear",
+    "linear_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "qkv_projection",

@@ -378,6 +378,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             if changed:
                 self._active[index].copy_(torch.tensor(flags, dtype=torch.float32), non_blocking=True)
             adopt_grads(strays)
+        self.flat.reopen_grad_slots()
 
     def _sync_hyperparameters(self) -> None:
         """Copy the groups' hyperparameters to the device when a scheduler changed them
@@ -451,9 +452,12 @@ class FlatOptimizer(torch.optim.Optimizer):
                 (with a zero gradient if backward gave it none; a ``.grad`` that is None
                 stays None, as torch does). True: torch's semantics: every ``.grad``
                 becomes None and a parameter that backward gives no gradient is skipped by
-                the next step; backward then allocates new gradient tensors, which
-                ``step()`` copies into the flat buffers (one more read and write of each).
+                the next step. Backward then writes the gradients lstrain's GEMM backwards
+                compute (weight matrices) straight into the flat buffers
+                (:mod:`lstrain._grad_slots`: no fill, no add, no copy); any other gradient is
+                a new tensor that ``step()`` copies in (one more read and write of it).
         """
+        self.flat.reopen_grad_slots()
         if set_to_none:
             for group in self.param_groups:
                 for p in group["params"]:

@@ -3,6 +3,9 @@
 :class:`FlatParameters` moves every parameter of a model into one flat buffer per dtype
 (``p.data`` becomes a view into it) and gives each parameter a ``.grad`` that is a view
 into a matching flat gradient buffer, so backward accumulates straight into it. Each
+parameter's place in the gradient buffer is registered with :mod:`lstrain._grad_slots`:
+after ``zero_grad(set_to_none=True)``, lstrain's GEMM backwards write weight gradients
+there directly and autograd makes those writes the ``.grad`` (no copy, no add). Each
 parameter starts at a block boundary (``BLOCK`` elements), so that one kernel can update
 a dtype's buffer in one launch whatever the number of tensors, and each program reads its
 parameter's group, step count and "has a gradient" flag as scalars. The padding costs at
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lstrain import _grad_slots
+
 __all__ = ["FlatBuffer", "FlatParameters", "adopt_grads"]
 
 BLOCK = 1024  # every parameter starts at a block boundary: one block, one parameter
@@ -27,15 +32,27 @@ def adopt_grads(pairs: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> Non
     (torch's fast path takes tensors of one dtype: give one flat buffer's at a time), not a
     launch per parameter.
 
+    A ``.grad`` that already lies in its view's memory (a backward wrote it there through
+    :mod:`lstrain._grad_slots`) is not copied: the view just becomes the ``.grad`` again.
+
     Args:
         pairs: ``(parameter, its view into the flat gradient buffer)``; each ``.grad`` is a
             tensor other than the view.
     """
-    if not pairs:
-        return
-    torch._foreach_copy_([view for _, view in pairs], [p.grad for p, _ in pairs])
+    copies = [(p, view) for p, view in pairs if not _same_memory(p.grad, view)]
+    if copies:
+        torch._foreach_copy_([view for _, view in copies], [p.grad for p, _ in copies])
     for p, view in pairs:
         p.grad = view
+
+
+def _same_memory(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return (
+        grad.data_ptr() == view.data_ptr()
+        and grad.dtype == view.dtype
+        and grad.shape == view.shape
+        and grad.stride() == view.stride()
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -128,6 +145,7 @@ class FlatParameters:
                 p.data = view
                 p.grad = grad_view
                 grad_views.append(grad_view)
+                _grad_slots.register(p, grad, offset)
         return FlatBuffer(
             dtype,
             data,
@@ -144,6 +162,13 @@ class FlatParameters:
         """Zero every flat gradient buffer in place (the ``.grad`` views stay attached)."""
         for buffer in self.buffers:
             buffer.grad.zero_()
+
+    def reopen_grad_slots(self) -> None:
+        """Let the next backward write gradients of parameters whose ``.grad`` is None
+        straight into the buffers again (:mod:`lstrain._grad_slots`); the optimizers call it
+        in ``zero_grad`` and ``step``."""
+        for buffer in self.buffers:
+            _grad_slots.reopen(buffer.params)
 
     def attach_grads(self) -> None:
         """Copy each gradient that autograd put in a new tensor (after ``model.zero_grad()``

@@ -226,7 +226,8 @@ class _Stepper:
 
     def _zero_grad(self) -> None:
         if self.fused:
-            self.optimizer.zero_grad()  # in place: the .grad views of the flat buffers stay
+            # the first backward writes lstrain's weight gradients straight into the flat buffers
+            self.optimizer.zero_grad(set_to_none=True)
         else:
             self.flat.zero_grad()
 

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from lstrain import _grad_slots
+
 __all__ = ["as_rows", "cdiv", "contiguous_or_none", "matmul_like"]
 
 
@@ -33,11 +35,20 @@ def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def matmul_like(a: torch.Tensor, b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (2-D) in the layout of ``like``: computed as ``(b.t() @ a.t()).t()`` where
-    ``like`` is a transposed view (the ``w.t()`` of a ``[N, K]`` weight), as torch's own mm
-    backward does. A weight's gradient then reaches ``.grad`` contiguous through the
-    view's backward, and accumulating it there is a coalesced add (transposed, torch ran
-    its strided add: 125 us per 5632 x 2048 bf16 gradient in a LLaMA-0.75B step, H200)."""
-    if like.dim() == 2 and like.stride(0) == 1 and like.stride(1) != 1:
-        return (b.t() @ a.t()).t()
-    return a @ b
+    """``a @ b`` (2-D), the gradient of ``like``, in ``like``'s layout: computed as
+    ``(b.t() @ a.t()).t()`` where ``like`` is a transposed view (the ``w.t()`` of a
+    ``[N, K]`` weight), as torch's own mm backward does. A weight's gradient then reaches
+    ``.grad`` contiguous through the view's backward, and accumulating it there is a
+    coalesced add (transposed, torch ran its strided add: 125 us per 5632 x 2048 bf16
+    gradient in a LLaMA-0.75B step, H200). Where ``like`` is a parameter over a flat
+    gradient buffer whose ``.grad`` is None, the GEMM writes straight into the buffer
+    (:mod:`lstrain._grad_slots`)."""
+    transposed = like.dim() == 2 and like.stride(0) == 1 and like.stride(1) != 1
+    out = _grad_slots.take(like, a.dtype)
+    if out is None:
+        return (b.t() @ a.t()).t() if transposed else a @ b
+    if transposed:
+        torch.mm(b.t(), a.t(), out=out.t())
+    else:
+        torch.mm(a, b, out=out)
+    return out

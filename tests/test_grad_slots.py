@@ -1,0 +1,108 @@
+"""lstrain._grad_slots: weight gradients written straight into flat gradient buffers."""
+
+import copy
+
+import torch
+
+from lstrain import _grad_slots
+from lstrain.ops import linear
+from lstrain.optim import FlatParameters, FusedAdamW
+from lstrain.optim.flat import _same_memory
+from tests.conftest import DEVICE
+
+
+def _flat(*params):
+    flat = FlatParameters([list(params)])
+    for p in params:
+        p.grad = None
+    return flat, flat.buffers[0]
+
+
+def _in_buffer(p, buffer):
+    view = buffer.grad_views[next(i for i, q in enumerate(buffer.params) if q is p)]
+    return p.grad is not None and _same_memory(p.grad, view)
+
+
+def test_a_weight_gradient_is_written_into_its_place():
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    held = torch.nn.Parameter(torch.randn(4, 3, device=DEVICE))  # used as held.t(): the other layout
+    flat, buffer = _flat(weight, held)
+    x = torch.randn(6, 4, device=DEVICE)
+    expected = torch.autograd.grad((x @ weight.t()).square().sum(), weight)[0]
+    linear(x, weight).square().sum().backward()
+    assert _in_buffer(weight, buffer)
+    torch.testing.assert_close(weight.grad, expected)
+    y = torch.randn(2, 4, device=DEVICE)
+    expected = torch.autograd.grad((y @ held).sum(), held)[0]
+    linear(y, held.t()).sum().backward()
+    assert _in_buffer(held, buffer) and weight.grad is not None
+    torch.testing.assert_close(held.grad, expected)
+
+
+def test_a_tied_weight_gets_both_contributions():
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    flat, buffer = _flat(weight)
+    x, z = torch.randn(6, 4, device=DEVICE), torch.randn(3, 5, device=DEVICE)
+    reference = weight.detach().clone().requires_grad_()
+    (linear(x, reference).square().sum() + linear(z, reference.t()).sum()).backward()
+    (linear(x, weight).square().sum() + linear(z, weight.t()).sum()).backward()
+    torch.testing.assert_close(weight.grad, reference.grad)
+
+
+def test_a_second_backward_accumulates():
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    flat, buffer = _flat(weight)
+    x = torch.randn(6, 4, device=DEVICE)
+    for _ in range(2):
+        linear(x, weight).sum().backward()
+    torch.testing.assert_close(weight.grad, 2 * torch.autograd.grad((x @ weight.t()).sum(), weight)[0])
+    assert _in_buffer(weight, buffer)
+
+
+def test_a_place_is_taken_once_until_reopened():
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    flat, buffer = _flat(weight)
+    x = torch.randn(6, 4, device=DEVICE)
+    linear(x, weight).sum().backward()
+    first = weight.grad.clone()
+    weight.grad = None
+    linear(x, weight).sum().backward()  # not reopened: a new tensor, the buffer's gradient untouched
+    assert not _in_buffer(weight, buffer)
+    torch.testing.assert_close(weight.grad, first)
+    weight.grad = None
+    flat.reopen_grad_slots()
+    linear(x, weight).sum().backward()
+    assert _in_buffer(weight, buffer)
+
+
+def test_no_place_with_grad_mode_on_or_a_dead_buffer():
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    flat, buffer = _flat(weight)
+    with torch.enable_grad():
+        assert _grad_slots.take(weight, weight.dtype) is None
+    with torch.no_grad():
+        assert _grad_slots.take(weight, torch.float64) is None
+        other = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+        _grad_slots.register(other, torch.zeros(20, device=DEVICE), 0)  # the buffer dies here
+        assert _grad_slots.take(other, other.dtype) is None
+        assert _grad_slots.take(weight, weight.dtype) is not None
+
+
+def test_set_to_none_steps_as_in_place_and_copies_nothing_for_lstrain_weights():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(DEVICE)
+    twin = copy.deepcopy(model)
+    runs = []
+    for net, set_to_none in ((model, True), (twin, False)):
+        optimizer = FusedAdamW(net.parameters(), lr=1e-2)
+        for step in range(3):
+            x = torch.randn(10, 8, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+            optimizer.zero_grad(set_to_none=set_to_none)
+            h = torch.nn.functional.gelu(linear(x, net[0].weight, net[0].bias))
+            linear(h, net[2].weight, net[2].bias).square().mean().backward()
+            buffer = optimizer.flat.buffers[0]
+            runs.append([_in_buffer(p, buffer) for p in (net[0].weight, net[2].weight)])
+            optimizer.step()
+    assert runs[:3] == [[True, True]] * 3  # set_to_none: the weights' gradients were written in place
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs)
