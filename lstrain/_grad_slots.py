@@ -9,7 +9,8 @@ the flat buffer receives the gradient with neither a copy nor the add into a zer
 that ``set_to_none=False`` costs (GPT-2 medium: 292 adds and a fill per step).
 
 A place is handed out only while the parameter's ``.grad`` is None, once until the
-optimizer reopens it (its ``zero_grad`` and ``step``), with grad mode off (no double
+optimizer reopens its :class:`Places` (its ``zero_grad`` and ``step``: one counter, no walk
+over the parameters), with grad mode off (no double
 backward) and never while torch.compile traces: a second contribution to one parameter
 in a backward (a tied weight) is a new tensor, which autograd adds to the first.
 """
@@ -17,40 +18,46 @@ in a backward (a tied weight) is a new tensor, which autograd adds to the first.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["register", "reopen", "take"]
+__all__ = ["Places", "take"]
 
-# parameter -> (its flat gradient buffer, weakly; the parameter's offset in it)
+
+class Places:
+    """The places of one set of flat gradient buffers (one :class:`FlatParameters`)."""
+
+    def __init__(self) -> None:
+        self.generation = 0  # a place taken in an older generation is open again
+
+    def register(self, param: torch.nn.Parameter, buffer: torch.Tensor, offset: int) -> None:
+        """Make ``buffer[offset : offset + param.numel()]`` the place of ``param``'s gradient
+        (replacing an earlier registration, this group's or another's).
+
+        Args:
+            param: the parameter (contiguous).
+            buffer: a flat (1-D, contiguous) gradient buffer of the parameter's dtype and device.
+            offset: where the parameter's gradient starts in it.
+        """
+        _places[param] = _Place(self, weakref.ref(buffer), offset)
+
+    def reopen(self) -> None:
+        """Let the next backward take every place of this group again."""
+        self.generation += 1
+
+
+@dataclass(eq=False)
+class _Place:
+    group: Places
+    buffer: weakref.ref  # weakly: the optimizer (or a .grad view) keeps it alive
+    offset: int
+    taken: int = -1  # the group's generation in which a backward took it
+
+
+# parameter -> its place
 _places: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# parameters whose place is handed out and not yet reopened
-_taken: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def register(param: torch.nn.Parameter, buffer: torch.Tensor, offset: int) -> None:
-    """Make ``buffer[offset : offset + param.numel()]`` the place of ``param``'s gradient
-    (replacing an earlier registration).
-
-    Args:
-        param: the parameter.
-        buffer: a flat (1-D, contiguous) gradient buffer of the parameter's dtype and device.
-        offset: where the parameter's gradient starts in it.
-    """
-    _places[param] = (weakref.ref(buffer), offset)
-    _taken.pop(param, None)
-
-
-def reopen(params: Iterable[torch.nn.Parameter]) -> None:
-    """Let the next backward take these parameters' places again.
-
-    Args:
-        params: parameters (unregistered ones are ignored).
-    """
-    for p in params:
-        _taken.pop(p, None)
 
 
 def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -72,17 +79,17 @@ def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     param = like if like._base is None else like._base
     place = _places.get(param)
-    if place is None or param.grad is not None or param in _taken:
+    if place is None or param.grad is not None or place.taken == place.group.generation:
         return None
-    buffer = place[0]()
-    if buffer is None or buffer.dtype != dtype or param.dtype != dtype:
+    buffer = place.buffer()
+    if buffer is None or buffer.dtype != dtype:
         return None
-    slot = buffer[place[1] : place[1] + param.numel()].view(param.shape)
-    if like is param or (like.shape == slot.shape and like.stride() == slot.stride()):
+    slot = buffer[place.offset : place.offset + param.numel()].view(param.shape)
+    if like.shape == slot.shape and like.stride() == slot.stride():
         view = slot
     elif like.dim() == 2 and like.shape == slot.t().shape and like.stride() == slot.t().stride():
         view = slot.t()
     else:
         return None
-    _taken[param] = True
+    place.taken = place.group.generation
     return view

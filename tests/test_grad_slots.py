@@ -83,7 +83,7 @@ def test_no_place_with_grad_mode_on_or_a_dead_buffer():
     with torch.no_grad():
         assert _grad_slots.take(weight, torch.float64) is None
         other = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
-        _grad_slots.register(other, torch.zeros(20, device=DEVICE), 0)  # the buffer dies here
+        _grad_slots.Places().register(other, torch.zeros(20, device=DEVICE), 0)  # the buffer dies here
         assert _grad_slots.take(other, other.dtype) is None
         assert _grad_slots.take(weight, weight.dtype) is not None
 

@@ -19,6 +19,7 @@ from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import matmul_like
+from lstrain.ops._lib.linear_checks import check_projection
 
 __all__ = ["LinearFunction", "linear", "linear_ref"]
 
@@ -64,13 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x, weight, bias = autocast_inputs(x, weight, bias)
     if x.dim() == 0:
         raise ValueError("linear: x must have at least one dim, got a scalar")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"linear: weight must be [out, {x.shape[-1]}], got shape {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"linear: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"linear: {name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}; they must match")
+    check_projection("linear", "x", x, weight, bias)
     backend = _backend.backend_for(x)
     _backend.note("linear", backend)
     if backend == "reference" or not differentiated(x, weight, bias):

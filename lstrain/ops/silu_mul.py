@@ -26,6 +26,7 @@ from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, matmul_like
+from lstrain.ops._lib.linear_checks import check_projection
 
 __all__ = [
     "SiluMulFunction",
@@ -225,16 +226,7 @@ def silu_mul_linear(
     """
     gate, up, weight, bias = autocast_inputs(gate, up, weight, bias)
     _check("silu_mul_linear", gate, up)
-    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
-        raise ValueError(f"silu_mul_linear: weight must be [out, {gate.shape[-1]}], got shape {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"silu_mul_linear: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != gate.dtype or t.device != gate.device):
-            raise ValueError(
-                f"silu_mul_linear: {name} is {t.dtype} on {t.device}, gate {gate.dtype} on {gate.device}; "
-                "they must match"
-            )
+    check_projection("silu_mul_linear", "gate", gate, weight, bias)
     backend = _backend.backend_for(gate)
     _backend.note("silu_mul_linear", backend)
     if backend == "reference":

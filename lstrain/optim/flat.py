@@ -113,6 +113,7 @@ class FlatParameters:
             if not p.is_floating_point():
                 raise ValueError(f"FlatParameters: parameter of dtype {p.dtype} is not floating point")
         self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self.grad_places = _grad_slots.Places()
         self.buffers: list[FlatBuffer] = []
         for dtype in sorted({p.dtype for p in params}, key=str):
             self.buffers.append(self._build(groups, dtype))
@@ -145,7 +146,7 @@ class FlatParameters:
                 p.data = view
                 p.grad = grad_view
                 grad_views.append(grad_view)
-                _grad_slots.register(p, grad, offset)
+                self.grad_places.register(p, grad, offset)
         return FlatBuffer(
             dtype,
             data,
@@ -167,8 +168,7 @@ class FlatParameters:
         """Let the next backward write gradients of parameters whose ``.grad`` is None
         straight into the buffers again (:mod:`lstrain._grad_slots`); the optimizers call it
         in ``zero_grad`` and ``step``."""
-        for buffer in self.buffers:
-            _grad_slots.reopen(buffer.params)
+        self.grad_places.reopen()
 
     def attach_grads(self) -> None:
         """Copy each gradient that autograd put in a new tensor (after ``model.zero_grad()``

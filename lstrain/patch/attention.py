@@ -61,14 +61,13 @@ def _skip_sdpa_mask(sdpa_mask):
     def mask(*, q_length: int, kv_length: int, attention_mask=None, local_size=None, **kwargs):
         within_window = local_size is None or kv_length < local_size
         if attention_mask is None and within_window and not torch.compiler.is_exporting():
-            # transformers' own rule without a padding mask: a causal mask for q_length == 1 or
-            # a square one is SDPA's is_causal; a bidirectional one is no mask at all
-            # transformers disallows it for packed sequences it could not rule out while tracing
-            packed_ruled_out = _IMPLIED_POSITIONS.get() and not kwargs.get("allow_is_bidirectional_skip", False)
-            causal_skip = kwargs.get("allow_is_causal_skip", True) or packed_ruled_out
-            if causal_skip and (q_length == 1 or q_length == kv_length):
-                return None
+            # transformers' own rule without a padding mask: a bidirectional mask is no mask at
+            # all; a causal one for q_length == 1 or a square one is SDPA's is_causal, unless
+            # transformers disallowed that for packed sequences it could not rule out tracing
             if kwargs.get("allow_is_bidirectional_skip", False):
+                return None
+            causal_skip = kwargs.get("allow_is_causal_skip", True) or _IMPLIED_POSITIONS.get()
+            if causal_skip and (q_length == 1 or q_length == kv_length):
                 return None
         return sdpa_mask(
             q_length=q_length, kv_length=kv_length, attention_mask=attention_mask, local_size=local_size, **kwargs

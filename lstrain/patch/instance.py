@@ -9,11 +9,13 @@ product and down projection through ``lstrain.ops.silu_mul_linear``; for a model
 head, an instance attribute ``forward`` shadows the class's forward to compute the loss
 through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
-``lstrain.ops.rope``; a config whose attention implementation is "sdpa" names
-``lstrain.patch.attention.SKIP_SDPA`` instead (transformers' SDPA, with its mask skip kept
-under CUDA-graph capture and torch.compile). The class, every other instance of it and
-transformers' module functions are left as they were; ``unpatch`` puts the original modules back and removes
-(or restores) the instance ``forward`` attributes.
+``lstrain.ops.rope``. A config whose attention implementation is "sdpa" names
+``lstrain.patch.attention.SKIP_SDPA`` instead (transformers' SDPA with its mask skip kept
+under CUDA-graph capture and torch.compile, registered in transformers' attention registries
+under that new name), and the base model gets an instance ``forward`` that tells its mask
+function when the position ids are its own. The class, every other instance of it and
+transformers' module functions are left as they were; ``unpatch`` puts the original modules
+back, removes (or restores) the instance ``forward`` attributes and the config's "sdpa".
 
 Numerics of the RMSNorm swap: transformers' LlamaRMSNorm (and Mistral's, Qwen2's) computes
 ``x * rsqrt(mean(x^2) + eps)`` in fp32, casts that to the input's dtype, then multiplies by
@@ -99,8 +101,8 @@ class _PatchState:
     modules: list[tuple[torch.nn.Module, str, torch.nn.Module]]
     # (module, the instance forward it had before, or None) of every module given a forward.
     forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)
-    # (config, its attention implementation before) of a config given SKIP_SDPA.
-    configs: list[tuple[object, str]] = field(default_factory=list)
+    # the config switched from "sdpa" to SKIP_SDPA, or None
+    sdpa_config: object | None = None
 
 
 def _type_name(module: object) -> str:
@@ -360,7 +362,7 @@ def _route_attention_masks(model: torch.nn.Module, enabled: bool, state: _PatchS
     else:
         register_skip_sdpa()
         config._attn_implementation = SKIP_SDPA
-        state.configs.append((config, "sdpa"))
+        state.sdpa_config = config
         state.report.swapped.append(Swapped("config", "attention 'sdpa'", f"attention {SKIP_SDPA!r}"))
         base = getattr(model, "base_model", model)
         _set_forward(base, _implied_positions_forward(inspect.signature(base.forward)), state)
@@ -579,6 +581,6 @@ def unpatch(model: torch.nn.Module) -> bool:
             del module.forward
         else:
             module.forward = previous
-    for config, implementation in reversed(state.configs):
-        config._attn_implementation = implementation
+    if state.sdpa_config is not None:
+        state.sdpa_config._attn_implementation = "sdpa"
     return True
