@@ -11,6 +11,7 @@ relative to a named competitor of the same case (``target_vs``).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,12 +61,18 @@ class BenchCase:
     target_vs: tuple[str, float] | None = None
 
 
-def _liger_layer_norm():
+def _liger_apply(module_name: str, function_name: str):
+    """``liger_kernel.ops.<module_name>.<function_name>.apply``, or None without Liger."""
     try:
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        module = importlib.import_module(f"liger_kernel.ops.{module_name}")
     except ImportError:
         return None
-    return lambda x, weight, bias: LigerLayerNormFunction.apply(x, weight, bias, 1e-5)
+    return getattr(module, function_name).apply
+
+
+def _liger_layer_norm():
+    apply = _liger_apply("layer_norm", "LigerLayerNormFunction")
+    return None if apply is None else lambda x, weight, bias: apply(x, weight, bias, 1e-5)
 
 
 def layer_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -98,12 +105,9 @@ def layer_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
 
 
 def _liger_rms_norm():
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    except ImportError:
-        return None
+    apply = _liger_apply("rms_norm", "LigerRMSNormFunction")
     # HF LLaMA's casting; in_place=False: the runner reuses dy across calls
-    return lambda x, weight: LigerRMSNormFunction.apply(x, weight, 1e-6, 0.0, "llama", False)
+    return None if apply is None else lambda x, weight: apply(x, weight, 1e-6, 0.0, "llama", False)
 
 
 def rms_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -160,14 +164,9 @@ def _all_outputs(outputs: tuple[torch.Tensor, ...], other_grads: tuple[torch.Ten
 
 
 def _liger_add_rms_norm():
-    try:
-        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-    except ImportError:
-        return None
+    apply = _liger_apply("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
     # HF LLaMA's casting; in_place=False: the runner reuses dy across calls
-    return lambda x, residual, weight: LigerFusedAddRMSNormFunction.apply(
-        x, residual, weight, 1e-6, 0.0, "llama", False
-    )
+    return None if apply is None else lambda x, residual, weight: apply(x, residual, weight, 1e-6, 0.0, "llama", False)
 
 
 def add_rms_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -224,14 +223,6 @@ def _rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Ten
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _liger_rope():
-    try:
-        from liger_kernel.ops.rope import LigerRopeFunction
-    except ImportError:
-        return None
-    return LigerRopeFunction.apply
-
-
 def rope_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     batch, heads, seq, head_dim = 4, 32, 4096, 128
 
@@ -254,7 +245,7 @@ def rope_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
         "eager": eager,
         "torch.compile": eager,
     }
-    if (liger := _liger_rope()) is not None:
+    if (liger := _liger_apply("rope", "LigerRopeFunction")) is not None:
         # Liger rotates q and k in place (HF's layout is its contiguous one) and dq, dk in
         # backward; it runs last, so no other implementation sees its rotated inputs
         impls["liger"] = lambda q, k, cos, sin, d_k, liger=liger: _all_outputs(liger(q, k, cos, sin), (d_k,))
@@ -298,14 +289,6 @@ def rope_qkv_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     return [BenchCase("rope_qkv", label, make, ["qkv"], impls, min_bytes)]
 
 
-def _liger_silu_mul():
-    try:
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except ImportError:
-        return None
-    return LigerSiLUMulFunction.apply
-
-
 def silu_mul_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     rows, cols = 8192, 5632  # the LLaMA-style 0.75B's MLP at its e2e batch (4 x 2048 tokens)
 
@@ -320,7 +303,7 @@ def silu_mul_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
         return torch.nn.functional.silu(gate) * up
 
     impls = {"lstrain": silu_mul, "eager": eager, "torch.compile": eager}
-    if (liger := _liger_silu_mul()) is not None:
+    if (liger := _liger_apply("swiglu", "LigerSiLUMulFunction")) is not None:
         impls["liger"] = lambda gate, up, liger=liger: liger(gate, up)  # apply() takes no keywords
     # forward reads gate and up, writes the product; backward reads its gradient, gate and
     # up, writes both gradients

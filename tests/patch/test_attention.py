@@ -10,32 +10,23 @@ import torch
 
 import lstrain
 from lstrain.patch.attention import SKIP_SDPA, register_skip_sdpa
+from tests.patch.test_instance import VOCAB
+from tests.patch.test_instance import _bert as bert_model
+from tests.patch.test_instance import _gpt2 as gpt2_model
 
 transformers = pytest.importorskip("transformers")
 masking = pytest.importorskip("transformers.masking_utils")
 
-VOCAB = 101
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6} if DEVICE == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _gpt2():
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(DEVICE)
+    return gpt2_model(attn_implementation="sdpa", use_cache=False)
 
 
 def _bert():
-    config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
-        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.BertForMaskedLM(config).to(DEVICE)
+    return bert_model(attn_implementation="sdpa")
 
 
 def _llama():

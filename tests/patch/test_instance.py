@@ -22,21 +22,21 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6} if DEVICE == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
 
 
-def _gpt2(cls=None):
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
-    )  # fmt: skip
+def _gpt2(cls=None, **fields):
+    config = transformers.GPT2Config(**{
+        "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": VOCAB, "n_positions": 32,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "attn_implementation": "eager", **fields,
+    })  # fmt: skip
     torch.manual_seed(0)
     return (cls or transformers.GPT2LMHeadModel)(config).to(DEVICE)
 
 
-def _bert(cls=None):
-    config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
-        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attn_implementation="eager",
-    )  # fmt: skip
+def _bert(cls=None, **fields):
+    config = transformers.BertConfig(**{
+        "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+        "vocab_size": VOCAB, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0, "attn_implementation": "eager", **fields,
+    })  # fmt: skip
     torch.manual_seed(0)
     model = (cls or transformers.BertForMaskedLM)(config)
     if cls is None:  # HF initialises the decoder bias to zero; a nonzero one is checked too
