@@ -106,3 +106,25 @@ def test_set_to_none_steps_as_in_place_and_copies_nothing_for_lstrain_weights():
     assert runs[:3] == [[True, True]] * 3  # set_to_none: the weights' gradients were written in place
     for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_lstrain_gpt2_writes_every_weight_matrix_in_place():
+    from lstrain.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = GPT2(config).to(DEVICE)
+    optimizer = FusedAdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 96, (2, 16), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    optimizer.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    optimizer.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+    buffer = optimizer.flat.buffers[0]
+    in_place = {name for name, p in model.named_parameters() if _in_buffer(p, buffer)}
+    matrices = {name for name, p in model.named_parameters() if p.dim() == 2 and ".h." in name}
+    assert matrices and in_place == matrices  # embeddings (and the tied head), biases, norms: copied by step
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6)
