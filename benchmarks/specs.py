@@ -24,6 +24,7 @@ from lstrain.ops import (
     bias_act_dropout,
     bias_dropout_residual,
     cross_entropy,
+    dropout_add_layer_norm,
     embedding,
     gemm,
     layer_norm,
@@ -496,6 +497,56 @@ def bias_dropout_residual_cases(dtype: torch.dtype = torch.bfloat16) -> list[Ben
     return [case]
 
 
+def dropout_add_layer_norm_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    element = torch.finfo(dtype).bits // 8
+    cases = []
+    # GPT-2 medium's and small's residual streams (batch 8 x 1024, 16 x 1024), and a wide one
+    for rows, cols in ((8192, 1024), (16384, 768), (16384, 4096)):
+
+        def make(rows=rows, cols=cols):
+            inputs = _normal_inputs(dtype, x=(rows, cols), x_bias=(cols,), residual=(rows, cols))
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            for name in ("weight", "bias"):
+                inputs[name] = (0.1 * torch.randn(cols, device="cuda", dtype=dtype, generator=gen)).requires_grad_()
+            # the upstream gradient of the new residual (the next sublayer's residual path)
+            inputs["d_residual"] = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen)
+            return inputs
+
+        def eager(x, x_bias, residual, weight, bias, d_residual, cols=cols):
+            new_residual = torch.nn.functional.dropout(x + x_bias, 0.1) + residual
+            normed = torch.nn.functional.layer_norm(new_residual, (cols,), weight, bias)
+            return _all_outputs((normed, new_residual), (d_residual,))
+
+        def unfused(x, x_bias, residual, weight, bias, d_residual, cols=cols):
+            new_residual = bias_dropout_residual(x, x_bias, residual, dropout=0.1)
+            return _all_outputs((layer_norm(new_residual, cols, weight, bias), new_residual), (d_residual,))
+
+        impls = {
+            "lstrain": lambda x, x_bias, residual, weight, bias, d_residual: _all_outputs(
+                dropout_add_layer_norm(x, x_bias, residual, weight, bias, dropout=0.1), (d_residual,)
+            ),
+            "lstrain two ops": unfused,
+            "eager": eager,
+            "torch.compile": eager,
+        }
+        # forward reads x and residual, writes normed and the new residual; backward reads
+        # dnormed, dnew_residual and the new residual, writes dresidual and dx
+        min_bytes = 9 * rows * cols * element + 8 * cols * element
+        # GPT-2 medium's shape: >= 1.25x torch.compile's fusion of the pair; the wide one:
+        # >= 85% of the copy bandwidth (4281 GB/s on an H200 -> 0.332 ms)
+        target = 0.332 if cols == 4096 else None
+        target_vs = ("torch.compile", 1.25) if (rows, cols) == (8192, 1024) else None
+        label = f"{rows} x {cols}, dropout 0.1"
+        grad_inputs = ["x", "x_bias", "residual", "weight", "bias"]
+        cases.append(
+            BenchCase(
+                "dropout_add_layer_norm", label, make, grad_inputs, impls, min_bytes, target,
+                same_outputs=False, target_vs=target_vs,
+            )
+        )  # fmt: skip
+    return cases
+
+
 def bias_act_dropout_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     rows, cols = 16384, 4096
 
@@ -644,6 +695,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
     "bias_act_dropout": bias_act_dropout_cases,
+    "dropout_add_layer_norm": dropout_add_layer_norm_cases,
     "cross_entropy": cross_entropy_cases,
     "embedding": embedding_cases,
     "linear_cross_entropy": linear_cross_entropy_cases,
@@ -841,6 +893,7 @@ TITLES: dict[str, str] = {
     "attention_softmax": "Attention softmax (scale + causal mask), bf16, forward + backward",
     "bias_dropout_residual": "Bias + dropout + residual, bf16, forward + backward",
     "bias_act_dropout": "Bias + GELU + dropout, bf16, forward + backward",
+    "dropout_add_layer_norm": "Bias + dropout + residual + LayerNorm, bf16, forward + backward of both outputs",
     "cross_entropy": "Cross-entropy (label smoothing 0.1, 5% ignore_index), bf16, forward + backward",
     "embedding": "Embedding (scale, learned positions, dropout 0.1), bf16, forward + backward",
     "linear_cross_entropy": "Linear + cross-entropy (an LM head), bf16, forward + backward",

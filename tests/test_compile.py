@@ -16,7 +16,7 @@ from tests.conftest import DEVICE, EXPECTED_BACKEND
 
 SMALL = {"vocab_size": 100, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4}
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-FUSED_OPS = {"embedding", "layer_norm", "bias_act_dropout", "bias_dropout_residual", "linear_cross_entropy"}
+FUSED_OPS = {"embedding", "layer_norm", "bias_act_dropout", "dropout_add_layer_norm", "linear_cross_entropy"}
 
 
 class _Loss(torch.nn.Module):
@@ -87,7 +87,14 @@ def test_compiled_loss_and_every_gradient_match_eager_by_the_tolerance_rule():
     # formats every argument's IR)
     from torch._inductor.lowering import lowerings
 
-    for name in ("layer_norm_fwd", "layer_norm_bwd", "bias_dropout_residual_fwd", "embedding_fwd", "embedding_bwd"):
+    names = (
+        "layer_norm_fwd",
+        "dropout_add_layer_norm_fwd",
+        "dropout_add_layer_norm_bwd",
+        "embedding_fwd",
+        "embedding_bwd",
+    )
+    for name in names:
         assert getattr(torch.ops.lstrain, name).default in lowerings, name
     # and next to the eager fused model: the same kernels, only the glue around them compiled.
     # Parameters go in as plain tensors, as check_module passed them, so that the graph is reused.

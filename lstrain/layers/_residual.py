@@ -1,10 +1,11 @@
-"""The fused end of a sublayer: ``residual + dropout(y + bias)`` in one kernel."""
+"""The fused end of a sublayer: ``residual + dropout(y + bias)`` in one kernel, alone or with
+the LayerNorm that follows it."""
 
 from __future__ import annotations
 
 import torch
 
-from lstrain.ops import bias_dropout_residual
+from lstrain.ops import bias_dropout_residual, dropout_add_layer_norm
 
 
 def add_residual(
@@ -26,3 +27,31 @@ def add_residual(
     # and torch's ``residual + y`` keeps the stream in fp32.
     out_dtype = torch.promote_types(y.dtype, residual.dtype)
     return bias_dropout_residual(y.to(out_dtype), bias, residual, dropout=dropout, training=training)
+
+
+def add_residual_norm(
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    dropout: float,
+    training: bool,
+    norm: torch.nn.LayerNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` for ``h = residual + dropout(y + bias)``, through
+    :func:`lstrain.ops.dropout_add_layer_norm` with ``norm``'s weight, bias and eps (one kernel
+    each way); a norm over more than the last dim takes :func:`add_residual` and ``norm``.
+
+    Args:
+        y, bias, residual, dropout, training: as for :func:`add_residual`.
+        norm: the LayerNorm applied to the new residual stream.
+
+    Returns:
+        ``(normed, new_residual)``, in the dtype torch's ``residual + y`` would have.
+    """
+    if len(norm.normalized_shape) != 1:
+        h = add_residual(y, bias, residual, dropout, training)
+        return norm(h), h
+    dtype = torch.promote_types(y.dtype, residual.dtype)
+    return dropout_add_layer_norm(
+        y.to(dtype), bias, residual.to(dtype), norm.weight, norm.bias, eps=norm.eps, dropout=dropout, training=training
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lstrain.layers._residual import add_residual
+from lstrain.layers._residual import add_residual, add_residual_norm
 from lstrain.ops import attention_softmax, linear, qkv_projection, qkv_projection_ref
 
 __all__ = ["SelfAttention", "sdpa_mask"]
@@ -79,10 +79,12 @@ class SelfAttention(torch.nn.Module):
     Raises:
         ValueError: ``dim`` not a multiple of ``heads``, or a dropout outside [0, 1).
 
-    ``forward(x, residual, key_padding_mask=None, attn_bias=None)``: ``x`` ``[batch, seq,
-    dim]`` (the normalised input), ``residual`` shaped like it, ``key_padding_mask``
-    ``[batch, seq]`` bool (True = padding), ``attn_bias`` an additive float bias
-    broadcastable to ``[batch, heads, seq, seq]`` (it may require grad).
+    ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None)``: ``x``
+    ``[batch, seq, dim]`` (the normalised input), ``residual`` shaped like it,
+    ``key_padding_mask`` ``[batch, seq]`` bool (True = padding), ``attn_bias`` an additive
+    float bias broadcastable to ``[batch, heads, seq, seq]`` (it may require grad). Returns
+    the new residual stream; with a LayerNorm ``norm``, ``(norm(stream), stream)``, fused
+    into the residual add's kernel (:func:`lstrain.ops.dropout_add_layer_norm`).
     """
 
     def __init__(
@@ -116,7 +118,8 @@ class SelfAttention(torch.nn.Module):
         residual: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
         attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        norm: torch.nn.LayerNorm | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, seq, dim = x.shape
         project = qkv_projection if self.fused else qkv_projection_ref
         q, k, v = project(x, self.c_attn.weight, self.c_attn.bias, self.heads)
@@ -141,8 +144,11 @@ class SelfAttention(torch.nn.Module):
         out = out.transpose(1, 2).reshape(batch, seq, dim)
         if self.fused:
             y = linear(out, self.c_proj.weight)
+            if norm is not None:
+                return add_residual_norm(y, self.c_proj.bias, residual, self.resid_dropout, self.training, norm)
             return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training)
-        return residual + F.dropout(self.c_proj(out), self.resid_dropout, self.training)
+        h = residual + F.dropout(self.c_proj(out), self.resid_dropout, self.training)
+        return h if norm is None else (norm(h), h)
 
     def extra_repr(self) -> str:
         return (

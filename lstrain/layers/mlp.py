@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lstrain.layers._residual import add_residual
+from lstrain.layers._residual import add_residual, add_residual_norm
 from lstrain.ops import bias_act_dropout, linear
 
 __all__ = ["ACTIVATIONS", "MLP"]
@@ -44,7 +44,9 @@ class MLP(torch.nn.Module):
     Raises:
         ValueError: an unknown activation or a dropout outside [0, 1).
 
-    ``forward(x, residual)`` returns ``residual + dropout(c_proj(act(c_fc(x))))``.
+    ``forward(x, residual, norm=None)`` returns ``residual + dropout(c_proj(act(c_fc(x))))``;
+    with a LayerNorm ``norm``, ``(norm(stream), stream)``, fused into the residual add's
+    kernel (:func:`lstrain.ops.dropout_add_layer_norm`).
     """
 
     def __init__(
@@ -68,13 +70,18 @@ class MLP(torch.nn.Module):
         self.c_fc = torch.nn.Linear(dim, hidden, device=device, dtype=dtype)
         self.c_proj = torch.nn.Linear(hidden, dim, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.LayerNorm | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             h = bias_act_dropout(linear(x, self.c_fc.weight), self.c_fc.bias, activation=self.activation)
             y = linear(h, self.c_proj.weight)
+            if norm is not None:
+                return add_residual_norm(y, self.c_proj.bias, residual, self.dropout, self.training, norm)
             return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training)
         y = self.c_proj(ACTIVATIONS[self.activation](self.c_fc(x)))
-        return residual + F.dropout(y, self.dropout, self.training)
+        h = residual + F.dropout(y, self.dropout, self.training)
+        return h if norm is None else (norm(h), h)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, dropout={self.dropout}, fused={self.fused}"

@@ -22,8 +22,8 @@ class TransformerLayer(torch.nn.Module):
 
     Fused: :class:`lstrain.nn.LayerNorm`, :class:`SelfAttention` and :class:`MLP` with
     lstrain's kernels (cuBLAS GEMMs without their biases, bias + activation in one kernel,
-    bias + dropout + residual in one kernel, masks regenerated from seeds). Unfused: ``nn.LayerNorm``, ``nn.Linear``,
-    ``F.gelu``, ``F.dropout`` and SDPA, as a careful PyTorch user would write them.
+    masks regenerated from seeds). Unfused: ``nn.LayerNorm``, ``nn.Linear``, ``F.gelu``,
+    ``F.dropout`` and SDPA, as a careful PyTorch user would write them.
 
     Args:
         dim: model width.
@@ -39,10 +39,21 @@ class TransformerLayer(torch.nn.Module):
         device, dtype: of the parameters.
 
     Raises:
-        ValueError: see :class:`SelfAttention` and :class:`MLP`.
+        ValueError: see :class:`SelfAttention` and :class:`MLP`; in forward, ``normed`` or
+            ``next_norm`` given to a post-LN layer.
 
-    ``forward(x, key_padding_mask=None, attn_bias=None)``: ``x`` ``[batch, seq, dim]``;
-    the masks as for :class:`SelfAttention`.
+    Each residual add and the LayerNorm after it are one
+    :func:`lstrain.ops.dropout_add_layer_norm` kernel each way (fused): in pre-LN layers
+    ``ln_2`` and, where the caller passes it, the next layer's ``ln_1`` (or the model's final
+    norm) as ``next_norm``, whose ``normed`` output the next layer takes; in post-LN layers
+    ``ln_1`` and ``ln_2``. The parameters of ``next_norm`` are then read by this layer's
+    forward.
+
+    ``forward(x, key_padding_mask=None, attn_bias=None, *, normed=None, next_norm=None)``:
+    ``x`` ``[batch, seq, dim]``; the masks as for :class:`SelfAttention`. Pre-LN only:
+    ``normed``, ``ln_1(x)`` when the caller has it already (the previous layer's
+    ``next_norm`` output); ``next_norm``, a LayerNorm for the layer's output. Returns the
+    output, or with ``next_norm`` ``(next_norm(output), output)``.
     """
 
     def __init__(
@@ -70,13 +81,23 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = MLP(dim, ffn_dim or 4 * dim, activation, resid_dropout, fused, **factory)
 
     def forward(
-        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if self.norm_first:
-            x = self.attn(self.ln_1(x), x, key_padding_mask, attn_bias)
-            return self.mlp(self.ln_2(x), x)
-        x = self.ln_1(self.attn(x, x, key_padding_mask, attn_bias))
-        return self.ln_2(self.mlp(x, x))
+        self,
+        x: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_bias: torch.Tensor | None = None,
+        *,
+        normed: torch.Tensor | None = None,
+        next_norm: torch.nn.LayerNorm | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.norm_first:
+            if normed is not None or next_norm is not None:
+                raise ValueError("TransformerLayer: normed and next_norm apply to pre-LN layers (norm_first=True)")
+            x = self.attn(x, x, key_padding_mask, attn_bias, norm=self.ln_1)[0]
+            return self.mlp(x, x, norm=self.ln_2)[0]
+        if normed is None:
+            normed = self.ln_1(x)
+        normed, x = self.attn(normed, x, key_padding_mask, attn_bias, norm=self.ln_2)
+        return self.mlp(normed, x, norm=next_norm)
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}"

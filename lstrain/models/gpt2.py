@@ -306,9 +306,13 @@ class GPT2(torch.nn.Module):
         self._check_inputs(input_ids, labels, attention_mask, check_ids)
         key_padding_mask = None if attention_mask is None else attention_mask == 0
         x = self._embed(input_ids)
-        for layer in self.transformer["h"]:
-            x = layer(x, key_padding_mask)
-        x = self.transformer["ln_f"](x)
+        # Each layer applies the next LayerNorm (the next layer's ln_1, or ln_f) in its last
+        # residual add's kernel and hands on both the stream and its normalised copy.
+        layers, normed = self.transformer["h"], None
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].ln_1 if i + 1 < len(layers) else self.transformer["ln_f"]
+            normed, x = layer(x, key_padding_mask, normed=normed, next_norm=next_norm)
+        x = normed
         if labels is None:
             return GPT2Output(logits=self.lm_head(x))
         # Position t predicts labels[t + 1]; the last position predicts nothing. Padding the

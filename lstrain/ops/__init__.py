@@ -6,6 +6,7 @@ from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_r
 from lstrain.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
 from lstrain.ops.cross_entropy import cross_entropy, cross_entropy_ref
+from lstrain.ops.dropout_add_layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref
 from lstrain.ops.embedding import embedding, embedding_ref
 from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
@@ -28,6 +29,8 @@ __all__ = [
     "bias_dropout_residual_ref",
     "cross_entropy",
     "cross_entropy_ref",
+    "dropout_add_layer_norm",
+    "dropout_add_layer_norm_ref",
     "dropout_mask",
     "embedding",
     "embedding_ref",

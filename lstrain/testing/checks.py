@@ -25,6 +25,8 @@ from lstrain.ops import (
     bias_dropout_residual_ref,
     cross_entropy,
     cross_entropy_ref,
+    dropout_add_layer_norm,
+    dropout_add_layer_norm_ref,
     dropout_mask,
     embedding,
     embedding_ref,
@@ -57,6 +59,7 @@ from lstrain.testing.strategies import (
     attention_softmax_cases,
     bias_dropout_cases,
     cross_entropy_cases,
+    dropout_add_layer_norm_cases,
     embedding_cases,
     gemm_cases,
     layer_norm_cases,
@@ -365,6 +368,43 @@ def _run_bias_dropout_residual(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_dropout_add_layer_norm(case: dict, device: str) -> CheckResult:
+    gen, inputs, seed, mask, rate = _dropout_inputs(case, device)
+    if "bias" in inputs:
+        inputs["x_bias"] = inputs.pop("bias")
+    dtype, cols = case["dtype"], case["shape"][-1]
+    inputs["residual"] = _randn(case["shape"], gen, device, dtype)
+    if case["weight"]:
+        inputs["weight"] = _randn((cols,), gen, device, dtype, mean=1.0)
+    if case["norm_bias"]:
+        inputs["bias"] = _randn((cols,), gen, device, dtype)
+
+    # pre-LN uses both outputs, side by side in one tensor for the tolerance rule; post-LN
+    # only the normalised one
+    def outputs(pair):
+        return torch.cat(pair, dim=-1) if case["prenorm"] else pair[0]
+
+    def ours(**kw):
+        return outputs(
+            dropout_add_layer_norm(
+                kw["x"], kw.get("x_bias"), kw["residual"], kw.get("weight"), kw.get("bias"),
+                eps=case["eps"], dropout=case["dropout"], training=case["training"], seed=seed,
+            )
+        )  # fmt: skip
+
+    def reference(**kw):
+        return outputs(
+            dropout_add_layer_norm_ref(
+                kw["x"], kw.get("x_bias"), kw["residual"], kw.get("weight"), kw.get("bias"),
+                eps=case["eps"], dropout=rate, mask=mask,
+            )
+        )  # fmt: skip
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(ours, reference, inputs, atol=_atol(dtype, device), generator=gen)
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 def _run_bias_act_dropout(case: dict, device: str) -> CheckResult:
     gen, inputs, seed, mask, rate = _dropout_inputs(case, device)
     activation = case["activation"]
@@ -539,6 +579,9 @@ OP_CHECKS: dict[str, OpCheck] = {
     ),
     "bias_dropout_residual": OpCheck("bias_dropout_residual", bias_dropout_cases, _run_bias_dropout_residual),
     "bias_act_dropout": OpCheck("bias_act_dropout", bias_dropout_cases, _run_bias_act_dropout),
+    "dropout_add_layer_norm": OpCheck(
+        "dropout_add_layer_norm", dropout_add_layer_norm_cases, _run_dropout_add_layer_norm
+    ),
     "silu_mul": OpCheck("silu_mul", silu_mul_cases, _run_silu_mul),
     "silu_mul_linear": OpCheck(
         "silu_mul_linear",

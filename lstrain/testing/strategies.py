@@ -23,6 +23,7 @@ __all__ = [
     "attention_softmax_cases",
     "bias_dropout_cases",
     "cross_entropy_cases",
+    "dropout_add_layer_norm_cases",
     "dtypes",
     "embedding_cases",
     "gemm_cases",
@@ -308,6 +309,20 @@ def bias_dropout_cases(draw, device: str = "cpu", dtype: torch.dtype | None = No
         "activation": draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu"])),
         "seed": draw(seeds()),
     }
+
+
+@st.composite
+def dropout_add_layer_norm_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """A dropout + residual add + LayerNorm case: :func:`bias_dropout_cases`' shape, dtype,
+    x bias, rate, training flag and seed; the LayerNorm's affine flags and eps; and whether
+    the new residual is used too (pre-LN) or only the normalised output (post-LN)."""
+    case = draw(bias_dropout_cases(device, dtype))
+    del case["activation"]
+    case["weight"] = draw(st.booleans())
+    case["norm_bias"] = draw(st.booleans())
+    case["eps"] = draw(st.sampled_from([1e-5, 1e-6, 1e-3]))
+    case["prenorm"] = draw(st.booleans())
+    return case
 
 
 @st.composite

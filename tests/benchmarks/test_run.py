@@ -18,6 +18,8 @@ TARGETS = {
     ("rope", "4 x 32 x 4096 x 128, q and k"): (0.296, None, ("torch.compile", 1.25)),
     ("attention_softmax", "8 x 16 x 1024 x 1024, scale + causal"): (0.25, None, None),
     ("bias_dropout_residual", "16384 x 4096, dropout 0.1"): (0.21, None, None),
+    ("dropout_add_layer_norm", "8192 x 1024, dropout 0.1"): (None, None, ("torch.compile", 1.25)),
+    ("dropout_add_layer_norm", "16384 x 4096, dropout 0.1"): (0.332, None, None),
     ("cross_entropy", "16384 x 50257, smoothing 0.1, 5% ignored"): (0.95, None, None),
     ("cross_entropy", "8192 x 128256, smoothing 0.1, 5% ignored"): (1.2, None, None),
     ("embedding", "V 50257, D 1024, 8 x 2048 tokens, dropout 0.1"): (0.15, None, None),

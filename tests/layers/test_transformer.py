@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import lstrain.nn
 from lstrain._backend import record_backends
 from lstrain.layers import MLP, SelfAttention, TransformerLayer, sdpa_mask
 from lstrain.testing import assert_all_passed, check_module
@@ -58,10 +59,58 @@ def test_fused_matches_unfused(norm_first, padding, learned_bias):
     with record_backends() as ran:
         comparisons = check_module(ours, theirs, x, generator=torch.Generator().manual_seed(0))
     ops = {op for op, _ in ran}
-    assert {"layer_norm", "bias_act_dropout", "bias_dropout_residual"} <= ops
+    # each residual add and the LayerNorm after it in one kernel; pre-LN's last add has no
+    # norm after it unless the caller passes the next one
+    pre_ln = {"layer_norm", "dropout_add_layer_norm", "bias_act_dropout", "bias_dropout_residual"}
+    assert ops - {"attention_softmax", "linear", "qkv_projection"} == (
+        pre_ln if norm_first else {"dropout_add_layer_norm", "bias_act_dropout"}
+    )
     assert ("attention_softmax" in ops) == learned_bias
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert_all_passed(comparisons)
+
+
+class _Stack(torch.nn.Module):
+    """Pre-LN layers as GPT-2 chains them: each applies the next layer's ln_1 (the last, the
+    final norm) in its last residual add and hands on the normalised copy."""
+
+    def __init__(self, layers, final_norm):
+        super().__init__()
+        self.layers, self.final_norm = torch.nn.ModuleList(layers), final_norm
+
+    def forward(self, x):
+        normed = None
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].ln_1 if i + 1 < len(self.layers) else self.final_norm
+            normed, x = layer(x, normed=normed, next_norm=next_norm)
+        return torch.cat((normed, x), dim=-1)
+
+
+def test_chained_pre_ln_layers_match_unfused():
+    pairs = [_twins(dim=32, heads=4) for _ in range(2)]
+    torch.manual_seed(1)
+    final = torch.nn.LayerNorm(32, device=DEVICE)
+    with torch.no_grad():
+        final.weight.normal_()
+        final.bias.normal_()
+    fused_final = lstrain.nn.LayerNorm(32, device=DEVICE)
+    fused_final.load_state_dict(final.state_dict())
+    ours = _Stack([f for f, _ in pairs], fused_final)
+    theirs = _Stack([p for _, p in pairs], final)
+    x = torch.randn(2, 8, 32, device=DEVICE)
+    with record_backends() as ran:
+        comparisons = check_module(ours, theirs, x, generator=torch.Generator().manual_seed(0))
+    ops = [op for op, _ in ran]
+    assert ops.count("dropout_add_layer_norm") == 4 and ops.count("layer_norm") == 1  # only the first ln_1 alone
+    assert "bias_dropout_residual" not in ops
+    assert_all_passed(comparisons)
+
+
+def test_post_ln_layers_refuse_a_next_norm():
+    layer = TransformerLayer(16, 2, norm_first=False, causal=False, device=DEVICE)
+    x = torch.randn(1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="normed and next_norm apply to pre-LN layers"):
+        layer(x, next_norm=layer.ln_1)
 
 
 def test_state_dicts_move_between_twins():

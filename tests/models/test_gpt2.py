@@ -53,8 +53,11 @@ def test_loss_and_every_gradient_match_the_unfused_twin(padding):
         comparisons = check_module(
             _Loss(fused, labels, mask), _Loss(plain, labels, mask), ids, generator=torch.Generator().manual_seed(0)
         )
-    fused_ops = {"embedding", "layer_norm", "bias_act_dropout", "bias_dropout_residual", "linear_cross_entropy"}
+    fused_ops = {"embedding", "layer_norm", "bias_act_dropout", "dropout_add_layer_norm", "linear_cross_entropy"}
     assert {op for op, _ in ran} >= fused_ops
+    # every residual add carries the LayerNorm after it; only the first layer's ln_1 runs alone
+    ops = [op for op, _ in ran]
+    assert ops.count("layer_norm") == ops.count("embedding") and "bias_dropout_residual" not in ops
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert len(comparisons) == 1 + len(list(fused.parameters()))  # the loss and every parameter
     assert_all_passed(comparisons)
