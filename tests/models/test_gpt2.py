@@ -224,8 +224,11 @@ def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu():
     fused, plain = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
     torch.manual_seed(1)
     batches = _counting_batches(200, 8, 256, MEDIUM["vocab_size"])
-    ours, theirs = _train(fused, batches, "cuda", lr=1e-3), _train(plain, batches, "cuda", lr=1e-3)
-    assert theirs[-1] < theirs[0] - 1.0  # it learns (on the H200: 10.91 -> 9.50 in 200 steps)
+    # At lr 1e-3 this bf16 model's loss climbs before it falls (10.9 -> 11.3 within 30 steps),
+    # where either twin's gradients are 2-3x their own distance from fp32: a chaotic stretch
+    # that one rounding more or less sends elsewhere. 3e-4 trains smoothly.
+    ours, theirs = _train(fused, batches, "cuda", lr=3e-4), _train(plain, batches, "cuda", lr=3e-4)
+    assert theirs[-1] < theirs[0] - 1.0  # it learns (on the H200: 20-step means 10.91 -> 9.26)
     # bf16 weights: two equally valid roundings start the same and then drift apart, step by
     # step, over 200 Adam steps; the first steps must agree closely, and every 20-step mean
     # within a few percent (a wrong gradient departs by far more)
