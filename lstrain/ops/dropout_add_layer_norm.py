@@ -48,6 +48,8 @@ from lstrain.ops.layer_norm import (
     layer_norm,
     layer_norm_fwd_plan,
     layer_norm_ref,
+    normalized_grad,
+    row_statistics,
 )
 
 __all__ = [
@@ -102,15 +104,10 @@ def _dropout_add_layer_norm_fwd_kernel(
     h = (v + residual.to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
     offsets = row[:, None] * cols + col[None, :]
     tl.store(new_residual_ptr + offsets, h, mask=mask)
-    # LayerNorm of the stored (rounded) sum; ``drift`` is the fp32 mean's rounding error,
-    # as lstrain.ops.layer_norm keeps it.
-    h = h.to(tl.float32)
+    # LayerNorm of the stored (rounded) sum, as lstrain.ops.layer_norm computes it
     eps = tl.cast(eps, tl.float32)
     inv_cols = tl.cast(inv_cols, tl.float32)
-    mean = tl.sum(h, axis=1) * inv_cols
-    centred = tl.where(mask, h - mean[:, None], 0.0)
-    drift = tl.sum(centred, axis=1) * inv_cols
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) * inv_cols - drift * drift + eps)
+    centred, mean, drift, rstd = row_statistics(h.to(tl.float32), mask, inv_cols, eps)
     y = (centred - drift[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(weight_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -177,10 +174,7 @@ def _dropout_add_layer_norm_bwd_kernel(
         rstd = tl.load(stats_ptr + rows + row, mask=row_ok, other=0.0)
         drift = tl.load(stats_ptr + 2 * rows + row, mask=row_ok, other=0.0)
         x_hat = tl.where(mask, ((h - mean[:, None]) - drift[:, None]) * rstd[:, None], 0.0)
-        w_dy = dy * weight if HAS_WEIGHT else dy
-        c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
-        c2 = tl.sum(w_dy, axis=1) * inv_cols
-        g = (w_dy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        g = normalized_grad(x_hat, dy * weight if HAS_WEIGHT else dy, rstd, inv_cols)
         if HAS_DNEW_RESIDUAL:
             dnew = tl.load(
                 dnew_residual_ptr + row[:, None] * dnew_residual_row_stride + col[None, :], mask=mask, other=0.0

@@ -41,6 +41,8 @@ __all__ = [
     "layer_norm_fwd",
     "layer_norm_fwd_plan",
     "layer_norm_ref",
+    "normalized_grad",
+    "row_statistics",
 ]
 
 # Longest row (power of two) kept whole in registers; longer rows are chunked.
@@ -48,6 +50,27 @@ MAX_TILE_COLS_FWD = 16384
 MAX_TILE_COLS_BWD = 8192
 CHUNK_COLS = 4096
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def row_statistics(x, mask, inv_cols, eps):
+    """``(centred, mean, drift, rstd)`` of fp32 rows ``x`` held whole ([rows, cols], ``mask``
+    False outside them): ``centred`` is x - mean, zero outside the rows; ``drift`` the fp32
+    mean's rounding error (the row mean of ``centred``), which normalising subtracts too."""
+    mean = tl.sum(x, axis=1) * inv_cols
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    drift = tl.sum(centred, axis=1) * inv_cols
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) * inv_cols - drift * drift + eps)
+    return centred, mean, drift, rstd
+
+
+@triton.jit
+def normalized_grad(x_hat, w_dy, rstd, inv_cols):
+    """The gradient of rows normalised to ``x_hat`` (zero outside the rows), given the
+    gradient of the normalised values ``w_dy`` (dy times the weight): the LayerNorm dx."""
+    c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
+    c2 = tl.sum(w_dy, axis=1) * inv_cols
+    return (w_dy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
 
 
 @triton.jit
@@ -79,10 +102,7 @@ def _layer_norm_fwd_kernel(
     if SINGLE_TILE:
         mask = row_ok[:, None] & (col < cols)[None, :]
         x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) * inv_cols
-        centred = tl.where(mask, x - mean[:, None], 0.0)
-        residual = tl.sum(centred, axis=1) * inv_cols
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) * inv_cols - residual * residual + eps)
+        centred, mean, residual, rstd = row_statistics(x, mask, inv_cols, eps)
         y = (centred - residual[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
             y *= tl.load(weight_ptr + col, mask=col < cols, other=0.0).to(tl.float32)[None, :]
@@ -170,10 +190,7 @@ def _layer_norm_bwd_kernel(
             rstd = tl.load(stats_ptr + rows + row, mask=row_ok, other=0.0)
             residual = tl.load(stats_ptr + 2 * rows + row, mask=row_ok, other=0.0)
             x_hat = tl.where(mask, ((x - mean[:, None]) - residual[:, None]) * rstd[:, None], 0.0)
-            w_dy = dy * weight if HAS_WEIGHT else dy
-            c1 = tl.sum(x_hat * w_dy, axis=1) * inv_cols
-            c2 = tl.sum(w_dy, axis=1) * inv_cols
-            dx = (w_dy - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dx = normalized_grad(x_hat, dy * weight if HAS_WEIGHT else dy, rstd, inv_cols)
             tl.store(dx_ptr + row[:, None] * dx_row_stride + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WEIGHT_GRAD:
                 weight_acc += dy * x_hat
