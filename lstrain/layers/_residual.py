@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+import lstrain.nn
 from lstrain.ops import bias_dropout_residual, dropout_add_layer_norm
 
 
@@ -39,7 +40,9 @@ def add_residual_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(h), h)`` for ``h = residual + dropout(y + bias)``, through
     :func:`lstrain.ops.dropout_add_layer_norm` with ``norm``'s weight, bias and eps (one kernel
-    each way); a norm over more than the last dim takes :func:`add_residual` and ``norm``.
+    each way, ``norm``'s forward and its hooks not called); a norm over more than the last dim,
+    or of another class than torch's and lstrain's LayerNorm, takes :func:`add_residual` and
+    ``norm`` itself.
 
     Args:
         y, bias, residual, dropout, training: as for :func:`add_residual`.
@@ -48,7 +51,8 @@ def add_residual_norm(
     Returns:
         ``(normed, new_residual)``, in the dtype torch's ``residual + y`` would have.
     """
-    if len(norm.normalized_shape) != 1:
+    # Only LayerNorms whose forward is known: a subclass's own forward (or its hooks) runs as a module
+    if type(norm) not in (torch.nn.LayerNorm, lstrain.nn.LayerNorm) or len(norm.normalized_shape) != 1:
         h = add_residual(y, bias, residual, dropout, training)
         return norm(h), h
     dtype = torch.promote_types(y.dtype, residual.dtype)

@@ -207,7 +207,9 @@ class GPT2(torch.nn.Module):
 
     Fused (``config.fused``): the embedding sum and its dropout in one
     :func:`lstrain.ops.embedding` kernel, :class:`lstrain.layers.TransformerLayer`'s fused
-    pieces, :class:`lstrain.nn.LayerNorm`, and with labels the loss through
+    pieces, each layer's last residual add carrying the next LayerNorm (the next layer's
+    ``ln_1``, or ``ln_f``: a layer's forward reads those parameters, and those norms'
+    forward hooks do not run), and with labels the loss through
     :func:`lstrain.ops.linear_cross_entropy` on the hidden states (no logits). Unfused:
     ``nn.Embedding`` x 2 + dropout, the plain-torch layers, ``nn.LayerNorm``, the logits
     and ``F.cross_entropy`` on them in fp32 (as HF computes it).

@@ -5,7 +5,8 @@ GPT-2's ``x = x + attn(ln_1(x)); ... ln_2(x)`` and BERT's ``ln_1(x + attn(x))`` 
 two GEMMs. Separately they are :func:`lstrain.ops.bias_dropout_residual` then
 :func:`lstrain.ops.layer_norm`, and in backward LayerNorm's dx, the add of the stream's own
 gradient that autograd inserts, and the dropout's backward: three kernels and eight passes
-over [rows, cols] become one kernel and five.
+over [rows, cols] become one kernel and five (and the small sums of the parameters'
+partials).
 
 Forward reads x, the residual and the biases once, writes the new residual (rounded once
 to its dtype, and normalised as rounded, as the unfused pair computes it) and the
@@ -23,6 +24,7 @@ in a row instead.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -116,7 +118,7 @@ def _dropout_add_layer_norm_fwd_kernel(
     tl.store(normed_ptr + offsets, y.to(normed_ptr.dtype.element_ty), mask=mask)
     tl.store(stats_ptr + row, mean, mask=row_ok)
     tl.store(stats_ptr + rows + row, rstd, mask=row_ok)
-    tl.store(stats_ptr + 2 * rows + row, drift, mask=row_ok)
+    tl.store(stats_ptr + rows + rows + row, drift, mask=row_ok)
 
 
 @triton.jit
@@ -172,7 +174,7 @@ def _dropout_add_layer_norm_bwd_kernel(
         dy = dy.to(tl.float32)
         mean = tl.load(stats_ptr + row, mask=row_ok, other=0.0)
         rstd = tl.load(stats_ptr + rows + row, mask=row_ok, other=0.0)
-        drift = tl.load(stats_ptr + 2 * rows + row, mask=row_ok, other=0.0)
+        drift = tl.load(stats_ptr + rows + rows + row, mask=row_ok, other=0.0)
         x_hat = tl.where(mask, ((h - mean[:, None]) - drift[:, None]) * rstd[:, None], 0.0)
         g = normalized_grad(x_hat, dy * weight if HAS_WEIGHT else dy, rstd, inv_cols)
         if HAS_DNEW_RESIDUAL:
@@ -252,7 +254,7 @@ def dropout_add_layer_norm_fwd(
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = torch.empty((3, rows), dtype=torch.float32, device=x.device)
     if rows == 0 or cols == 0:
-        return normed, new_residual, stats
+        return normed, new_residual, stats.zero_()  # rows of no width: statistics nothing reads, defined
     plan = layer_norm_fwd_plan(max(8, cols))  # dropout_keep takes at least 8 columns
     _dropout_add_layer_norm_fwd_kernel[(cdiv(rows, plan.block_rows),)](
         x2d, x_bias, residual2d, weight, bias, normed, new_residual, stats, seed,
@@ -352,7 +354,7 @@ def dropout_add_layer_norm_fwd_op(
     p: float,
     dropout: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = math.prod(x.shape[:-1])
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -481,9 +483,10 @@ def dropout_add_layer_norm(
     Args:
         x: ``[*, cols]``, float32/float16/bfloat16: a sublayer's projection before its bias;
             only the last dim needs to be contiguous.
-        x_bias: optional ``[cols]``: the projection's bias.
+        x_bias: optional ``[cols]``: the projection's bias, float32/float16/bfloat16.
         residual: the residual stream, same shape, dtype and device as ``x``.
-        weight, bias: optional ``[cols]`` LayerNorm scale and shift (any float dtype).
+        weight, bias: optional ``[cols]`` LayerNorm scale and shift, float32/float16/bfloat16
+            (not necessarily x's dtype).
         eps: LayerNorm's epsilon, >= 0.
         dropout: drop probability of ``x + x_bias`` in [0, 1); kept elements are scaled by
             1 / (1 - p).
@@ -495,8 +498,9 @@ def dropout_add_layer_norm(
         ``(normed, new_residual)``, both shaped and typed like ``x`` (contiguous).
 
     Raises:
-        ValueError: ``x`` a scalar or of another dtype; ``residual`` not shaped, typed or
-            placed like ``x``; a bias or weight not ``[cols]`` or on another device;
+        ValueError: ``x`` a scalar or not float32/float16/bfloat16; ``residual`` not a tensor,
+            or not shaped, typed or placed like ``x``; a bias or weight not ``[cols]``, on
+            another device or of another dtype than those three;
             ``eps`` negative or not finite; ``dropout`` outside [0, 1); a ``seed`` that is
             not a 1-element int64 tensor on x's device.
     """

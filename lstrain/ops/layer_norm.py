@@ -139,7 +139,7 @@ def _layer_norm_fwd_kernel(
             tl.store(y_rows + start + col[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(stats_ptr + row, mean, mask=row_ok)
     tl.store(stats_ptr + rows + row, rstd, mask=row_ok)
-    tl.store(stats_ptr + 2 * rows + row, residual, mask=row_ok)
+    tl.store(stats_ptr + rows + rows + row, residual, mask=row_ok)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _layer_norm_bwd_kernel(
             dy = dy.to(tl.float32)
             mean = tl.load(stats_ptr + row, mask=row_ok, other=0.0)
             rstd = tl.load(stats_ptr + rows + row, mask=row_ok, other=0.0)
-            residual = tl.load(stats_ptr + 2 * rows + row, mask=row_ok, other=0.0)
+            residual = tl.load(stats_ptr + rows + rows + row, mask=row_ok, other=0.0)
             x_hat = tl.where(mask, ((x - mean[:, None]) - residual[:, None]) * rstd[:, None], 0.0)
             dx = normalized_grad(x_hat, dy * weight if HAS_WEIGHT else dy, rstd, inv_cols)
             tl.store(dx_ptr + row[:, None] * dx_row_stride + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -209,7 +209,7 @@ def _layer_norm_bwd_kernel(
             dy_row = dy_ptr + row * dy_row_stride
             mean = tl.load(stats_ptr + row)
             rstd = tl.load(stats_ptr + rows + row)
-            residual = tl.load(stats_ptr + 2 * rows + row)
+            residual = tl.load(stats_ptr + rows + rows + row)
             c1_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
             c2_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
             for start in range(0, cols, BLOCK_COLS):

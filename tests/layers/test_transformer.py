@@ -106,6 +106,21 @@ def test_chained_pre_ln_layers_match_unfused():
     assert_all_passed(comparisons)
 
 
+def test_a_next_norm_of_another_class_runs_its_own_forward():
+    class ScaledNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer, _ = _twins(dim=16, heads=2)
+    norm = ScaledNorm(16, device=DEVICE)
+    calls = []
+    norm.register_forward_hook(lambda *args: calls.append(1))
+    x = torch.randn(1, 4, 16, device=DEVICE)
+    normed, out = layer(x, next_norm=norm)
+    torch.testing.assert_close(normed, 2 * torch.nn.functional.layer_norm(out, (16,), norm.weight, norm.bias))
+    assert calls == [1]
+
+
 def test_post_ln_layers_refuse_a_next_norm():
     layer = TransformerLayer(16, 2, norm_first=False, causal=False, device=DEVICE)
     x = torch.randn(1, 4, 16, device=DEVICE)

@@ -209,3 +209,5 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(
         bwd, (x, None, new_residual, None, stats, None, 0.0, False, False, True, False, x.dtype, None)
     )
+    empty = torch.randn(3, 0, device=device)  # zero-width rows: the fake's stats count the rows too
+    torch.library.opcheck(fwd, (empty, None, empty, None, None, None, 1e-5, 0.0, False))
