@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lstrain.layers._residual import add_residual, add_residual_norm
+from lstrain.layers._residual import add_residual
 from lstrain.ops import attention_softmax, linear, qkv_projection, qkv_projection_ref
 
 __all__ = ["SelfAttention", "sdpa_mask"]
@@ -144,9 +144,7 @@ class SelfAttention(torch.nn.Module):
         out = out.transpose(1, 2).reshape(batch, seq, dim)
         if self.fused:
             y = linear(out, self.c_proj.weight)
-            if norm is not None:
-                return add_residual_norm(y, self.c_proj.bias, residual, self.resid_dropout, self.training, norm)
-            return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training)
+            return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training, norm)
         h = residual + F.dropout(self.c_proj(out), self.resid_dropout, self.training)
         return h if norm is None else (norm(h), h)
 

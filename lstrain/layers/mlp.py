@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lstrain.layers._residual import add_residual, add_residual_norm
+from lstrain.layers._residual import add_residual
 from lstrain.ops import bias_act_dropout, linear
 
 __all__ = ["ACTIVATIONS", "MLP"]
@@ -76,9 +76,7 @@ class MLP(torch.nn.Module):
         if self.fused:
             h = bias_act_dropout(linear(x, self.c_fc.weight), self.c_fc.bias, activation=self.activation)
             y = linear(h, self.c_proj.weight)
-            if norm is not None:
-                return add_residual_norm(y, self.c_proj.bias, residual, self.dropout, self.training, norm)
-            return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training)
+            return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training, norm)
         y = self.c_proj(ACTIVATIONS[self.activation](self.c_fc(x)))
         h = residual + F.dropout(y, self.dropout, self.training)
         return h if norm is None else (norm(h), h)

@@ -23,7 +23,6 @@ in a row instead.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -46,8 +45,8 @@ from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref, dropout_backward
 from lstrain.ops.layer_norm import (
     MAX_TILE_COLS_BWD,
-    LayerNormPlan,
     layer_norm,
+    layer_norm_bwd_plan,
     layer_norm_fwd_plan,
     layer_norm_ref,
     normalized_grad,
@@ -58,7 +57,6 @@ __all__ = [
     "DropoutAddLayerNormFunction",
     "dropout_add_layer_norm",
     "dropout_add_layer_norm_bwd",
-    "dropout_add_layer_norm_bwd_plan",
     "dropout_add_layer_norm_fwd",
     "dropout_add_layer_norm_ref",
 ]
@@ -203,32 +201,6 @@ def _dropout_add_layer_norm_bwd_kernel(
         tl.store(partial_ptr + slot * cols + col, tl.sum(x_bias_acc, axis=0), mask=col_ok)
 
 
-@functools.cache
-def dropout_add_layer_norm_bwd_plan(
-    cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY, row_inputs: int = 3
-) -> LayerNormPlan:
-    """Backward launch settings for rows of ``cols`` (at most ``MAX_TILE_COLS_BWD``, tiles at
-    least 8 wide for the dropout mask) elements
-    of ``element_size`` bytes on a device with ``shared_memory`` bytes per program (a pure
-    function).
-
-    LayerNorm's backward ladder: a persistent grid, its row loop pipelined up to 3 deep, few
-    programs per SM to keep the fp32 partials small. The pipeline holds the ``row_inputs``
-    row tensors of the tiles ahead (the new residual, the gradients of normed and of the new
-    residual) and the three row statistics in shared memory; where that does not fit the
-    device, it gets shallower.
-    """
-    block_cols = max(8, triton.next_power_of_2(cols))  # dropout_keep's minimum
-    warps = 4 if block_cols <= 2048 else 8
-    programs_per_sm = 2 if block_cols <= 4096 else 1
-    block_rows = max(1, 4096 // block_cols)
-    tile_bytes = block_rows * (row_inputs * block_cols * element_size + 3 * 4)
-    stages = 3
-    while stages > 1 and (stages - 1) * tile_bytes > shared_memory:
-        stages -= 1
-    return LayerNormPlan(block_rows, block_cols, warps, True, programs_per_sm, num_stages=stages)
-
-
 def dropout_add_layer_norm_fwd(
     x: torch.Tensor,
     x_bias: torch.Tensor | None,
@@ -307,14 +279,16 @@ def dropout_add_layer_norm_bwd(
     grads = [torch.empty(new_residual.shape, **like)]
     if dropout:
         grads.append(torch.empty(new_residual.shape, **like))
-    wanted = [(weight_grad, None if weight is None else weight.dtype), (bias_grad, bias_dtype)]
-    wanted.append((x_bias_grad, x_bias_dtype))
+    weight_dtype = None if weight is None else weight.dtype
+    wanted = ((weight_grad, weight_dtype), (bias_grad, bias_dtype), (x_bias_grad, x_bias_dtype))
     params = [torch.empty(cols, dtype=dtype, device=new_residual.device) for want, dtype in wanted if want]
     if cols == 0:
         return grads + params
     device = _backend.device_index(new_residual)
-    plan = dropout_add_layer_norm_bwd_plan(
-        cols, new_residual.element_size(), _backend.shared_memory_per_program(device), 2 + (dnew_residual is not None)
+    # tiles at least 8 wide: dropout_keep's minimum; the pipeline holds dnew_residual too
+    row_inputs = 2 + (dnew_residual is not None)
+    plan = layer_norm_bwd_plan(
+        max(8, cols), new_residual.element_size(), _backend.shared_memory_per_program(device), row_inputs
     )
     programs = max(1, min(cdiv(rows, plan.block_rows), _backend.multiprocessor_count(device) * plan.programs_per_sm))
     partials = torch.empty((len(params), programs, cols), dtype=torch.float32, device=new_residual.device)

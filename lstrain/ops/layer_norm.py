@@ -277,10 +277,12 @@ def layer_norm_fwd_plan(cols: int) -> LayerNormPlan:
 
 @functools.cache
 def layer_norm_bwd_plan(
-    cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
+    cols: int, element_size: int = 4, shared_memory: int = _backend.HOPPER_SHARED_MEMORY, row_inputs: int = 2
 ) -> LayerNormPlan:
     """Backward launch settings for rows of ``cols`` elements of ``element_size`` bytes on a
-    device with ``shared_memory`` bytes per program (a pure function).
+    device with ``shared_memory`` bytes per program, the pipeline holding ``row_inputs`` row
+    tensors a tile (x and dy; dropout_add_layer_norm's gradient of the new residual too): a
+    pure function.
 
     A persistent grid whose row loop is software-pipelined 3 deep (measured faster than
     no pipelining); few programs per SM keep the
@@ -295,7 +297,7 @@ def layer_norm_bwd_plan(
     warps = 4 if block_cols <= 2048 else 8
     programs_per_sm = 2 if block_cols <= 4096 else 1
     block_rows = max(1, 4096 // block_cols)
-    tile_bytes = block_rows * (2 * block_cols * element_size + 3 * 4)
+    tile_bytes = block_rows * (row_inputs * block_cols * element_size + 3 * 4)
     stages = 3
     while stages > 1 and (stages - 1) * tile_bytes > shared_memory:
         stages -= 1

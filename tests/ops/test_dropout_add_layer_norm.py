@@ -3,8 +3,7 @@ import torch
 from hypothesis import example, given, settings
 
 from lstrain.ops import bias_dropout_residual, dropout_add_layer_norm, dropout_add_layer_norm_ref, layer_norm_ref
-from lstrain.ops.dropout_add_layer_norm import dropout_add_layer_norm_bwd_plan
-from lstrain.ops.layer_norm import MAX_TILE_COLS_BWD
+from lstrain.ops.layer_norm import MAX_TILE_COLS_BWD, layer_norm_bwd_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import dropout_add_layer_norm_cases
@@ -167,13 +166,13 @@ def test_a_residual_that_is_not_a_tensor_is_named():
         dropout_add_layer_norm(torch.randn(4, 16), None, [0.0] * 16)
 
 
-def test_backward_plan():
-    plan = dropout_add_layer_norm_bwd_plan(1024, 2)
+def test_backward_plan_counts_the_incoming_residual_gradient():
+    # the op takes LayerNorm's backward plan for three row tensors, at least 8 columns wide
+    plan = layer_norm_bwd_plan(1024, 2, row_inputs=3)
     assert (plan.block_rows, plan.block_cols, plan.num_warps, plan.num_stages) == (4, 1024, 4, 3)
     small = 80 * 1024  # three fp32 rows of 8192 columns (96 KiB) fit no second stage there, two do
-    assert dropout_add_layer_norm_bwd_plan(8192, 4, small).num_stages == 1
-    assert dropout_add_layer_norm_bwd_plan(8192, 4, small, row_inputs=2).num_stages == 2
-    assert dropout_add_layer_norm_bwd_plan(1, 4).block_cols == 8  # the dropout mask's minimum tile
+    assert layer_norm_bwd_plan(8192, 4, small, row_inputs=3).num_stages == 1
+    assert layer_norm_bwd_plan(8192, 4, small).num_stages == 2
 
 
 def test_torch_compile_fullgraph(device):
