@@ -22,11 +22,47 @@ import torch
 import triton
 import triton.language as tl
 
+from lstrain.ops._lib.layout import cdiv
 from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
 from lstrain.optim.flat import BLOCK
 from lstrain.optim.rounding import rounding_key
 
 __all__ = ["FusedAdamW"]
+
+
+# One parameter's per-step scalars, rows of the [SCALARS, slots] fp32 table the update reads.
+SCALARS = 8  # step size, sqrt(bias correction 2), shrink, coupled decay, 1 - beta1, 1 - beta2, beta2, eps
+
+
+@triton.jit
+def _adamw_scalars_kernel(hyper_ptr, step_ptr, slot_group_ptr, scalars_ptr, slots, groups, BLOCK_SLOTS: tl.constexpr):
+    """Each parameter's per-step scalars from its group's hyperparameters and its step count.
+
+    fp64 and rounded once, as torch computes them on the host in Python floats: 1 - beta2**step
+    from an fp32 beta2 and an fp32 exp2 / log2 pair is off by about 1e-4 of itself in the first
+    steps. Once per parameter here, not in each of the update's threads, whose fp64 work
+    otherwise bounds the update (the fp64 pipe runs at half the fp32 rate).
+    """
+    slot = tl.program_id(0) * BLOCK_SLOTS + tl.arange(0, BLOCK_SLOTS)
+    ok = slot < slots
+    group = tl.load(slot_group_ptr + slot, mask=ok, other=0)
+    # hyper: [6, groups] fp64 = lr, beta1, beta2, eps, weight_decay, decoupled (0 or 1)
+    lr = tl.load(hyper_ptr + group, mask=ok, other=0.0)
+    beta1 = tl.load(hyper_ptr + groups + group, mask=ok, other=0.0)
+    beta2 = tl.load(hyper_ptr + 2 * groups + group, mask=ok, other=0.0)
+    eps = tl.load(hyper_ptr + 3 * groups + group, mask=ok, other=0.0)
+    weight_decay = tl.load(hyper_ptr + 4 * groups + group, mask=ok, other=0.0)
+    decoupled = tl.load(hyper_ptr + 5 * groups + group, mask=ok, other=0.0)
+    step = tl.load(step_ptr + slot, mask=ok, other=0.0).to(tl.float64)
+    out = scalars_ptr + slot
+    tl.store(out, (lr / (1.0 - tl.exp(step * tl.log(beta1)))).to(tl.float32), mask=ok)
+    tl.store(out + slots, tl.sqrt(1.0 - tl.exp(step * tl.log(beta2))).to(tl.float32), mask=ok)
+    tl.store(out + 2 * slots, (1.0 - decoupled * lr * weight_decay).to(tl.float32), mask=ok)
+    tl.store(out + 3 * slots, ((1.0 - decoupled) * weight_decay).to(tl.float32), mask=ok)
+    tl.store(out + 4 * slots, (1.0 - beta1).to(tl.float32), mask=ok)
+    tl.store(out + 5 * slots, (1.0 - beta2).to(tl.float32), mask=ok)
+    tl.store(out + 6 * slots, beta2.to(tl.float32), mask=ok)
+    tl.store(out + 7 * slots, eps.to(tl.float32), mask=ok)
 
 
 # The seed is a value, never a constant: Triton would make a seed of 1 (a second buffer's,
@@ -38,14 +74,13 @@ def _adamw_kernel(
     master_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
-    block_group_ptr,
     block_slot_ptr,
     active_ptr,
-    hyper_ptr,
+    scalars_ptr,
+    slots,
     step_ptr,
     grad_factor_ptr,
     skip_ptr,
-    groups,
     seed,
     rng_offset,
     HAS_MASTER: tl.constexpr,
@@ -56,26 +91,16 @@ def _adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    group = tl.load(block_group_ptr + pid)
     slot = tl.load(block_slot_ptr + pid)
-    # hyper: [6, groups] fp64 = lr, beta1, beta2, eps, weight_decay, decoupled (0 or 1)
-    lr = tl.load(hyper_ptr + group)
-    beta1 = tl.load(hyper_ptr + groups + group)
-    beta2 = tl.load(hyper_ptr + 2 * groups + group)
-    eps = tl.load(hyper_ptr + 3 * groups + group).to(tl.float32)
-    weight_decay = tl.load(hyper_ptr + 4 * groups + group)
-    decoupled = tl.load(hyper_ptr + 5 * groups + group)
-    # The per-step scalars in fp64 and rounded once, as torch computes them on the host in
-    # Python floats: 1 - beta2**step from an fp32 beta2 and an fp32 exp2 / log2 pair is off
-    # by about 1e-4 of itself in the first steps.
-    step = tl.load(step_ptr + slot).to(tl.float64)
-    step_size = (lr / (1.0 - tl.exp(step * tl.log(beta1)))).to(tl.float32)
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2))).to(tl.float32)
-    shrink = (1.0 - decoupled * lr * weight_decay).to(tl.float32)
-    coupled_decay = ((1.0 - decoupled) * weight_decay).to(tl.float32)
-    one_minus_beta1 = (1.0 - beta1).to(tl.float32)
-    one_minus_beta2 = (1.0 - beta2).to(tl.float32)
-    beta2 = beta2.to(tl.float32)
+    step_size = tl.load(scalars_ptr + slot)
+    bias_correction2_sqrt = tl.load(scalars_ptr + slots + slot)
+    shrink = tl.load(scalars_ptr + 2 * slots + slot)
+    coupled_decay = tl.load(scalars_ptr + 3 * slots + slot)
+    one_minus_beta1 = tl.load(scalars_ptr + 4 * slots + slot)
+    one_minus_beta2 = tl.load(scalars_ptr + 5 * slots + slot)
+    beta2 = tl.load(scalars_ptr + 6 * slots + slot)
+    eps = tl.load(scalars_ptr + 7 * slots + slot)
+    step = tl.load(step_ptr + slot)
     active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g, w, write = load_gradient_and_weight(
@@ -212,12 +237,23 @@ class FusedAdamW(FlatOptimizer):
         entry.update({key: state[key] for key in (*self.STATE, "master_param") if key in state})
         return entry
 
+    def _scalars(self, index: int) -> torch.Tensor:
+        """Buffer ``index``'s [SCALARS, slots] per-parameter scalars of this step (one small launch)."""
+        buffer = self.flat.buffers[index]
+        slots = len(buffer.params)
+        scalars = torch.empty(SCALARS, slots, dtype=torch.float32, device=buffer.data.device)
+        _adamw_scalars_kernel[(cdiv(slots, 128),)](
+            self._hyper, self._steps[index], buffer.slot_group, scalars, slots, len(self.param_groups),
+            BLOCK_SLOTS=128, num_warps=4,
+        )  # fmt: skip
+        return scalars
+
     def _launch(self, index, factor, found_inf) -> None:
         buffer, master = self.flat.buffers[index], self._masters[index]
         _adamw_kernel[(buffer.data.numel() // BLOCK,)](
             buffer.data, buffer.grad, master, self._buffers["exp_avg"][index], self._buffers["exp_avg_sq"][index],
-            buffer.block_group, buffer.block_slot, self._active[index], self._hyper, self._steps[index], factor,
-            found_inf, len(self.param_groups),
+            buffer.block_slot, self._active[index], self._scalars(index), len(buffer.params), self._steps[index],
+            factor, found_inf,
             HAS_MASTER=master is not None,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,

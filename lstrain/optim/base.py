@@ -23,6 +23,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lstrain import _backend
+from lstrain.ops._lib.layout import cdiv
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, adopt_grads
 from lstrain.optim.rounding import random_halves, round_to_bf16
 
@@ -104,14 +105,32 @@ def store_state(
 
 
 @triton.jit
-def _sum_squares_kernel(grad_ptr, block_slot_ptr, active_ptr, partial_ptr, BLOCK: tl.constexpr):
+def _sum_squares_kernel(
+    grad_ptr, block_slot_ptr, active_ptr, partial_ptr, blocks, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr
+):
     # One fp32 partial per block, summed by torch afterwards: deterministic, no atomics.
-    pid = tl.program_id(0)
-    active = tl.load(active_ptr + tl.load(block_slot_ptr + pid))
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = (tl.zeros([BLOCK], dtype=tl.float32) + active) != 0.0
-    g = tl.load(grad_ptr + offsets, mask=keep, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tl.sum(g * g, axis=0))
+    # Several blocks per program: their loads are in flight together behind one chain of
+    # slot -> flag loads (a block per program left the memory system a third idle).
+    block = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    ok = block < blocks
+    active = tl.load(active_ptr + tl.load(block_slot_ptr + block, mask=ok, other=0), mask=ok, other=0.0)
+    column = tl.arange(0, BLOCK)
+    keep = (active != 0.0)[:, None] & (column >= 0)[None, :]
+    g = tl.load(grad_ptr + block.to(tl.int64)[:, None] * BLOCK + column[None, :], mask=keep, other=0.0)
+    g = g.to(tl.float32)
+    tl.store(partial_ptr + block, tl.sum(g * g, axis=1), mask=ok)
+
+
+_SUM_SQUARES_BLOCKS = 4  # blocks per program of the norm's kernel
+
+
+def sum_squares(grad: torch.Tensor, block_slot: torch.Tensor, active: torch.Tensor, partials: torch.Tensor) -> None:
+    """``partials[b]`` = the sum of squares of block ``b`` of the flat gradient ``grad`` in
+    fp32 (0 for a block whose parameter has no gradient: ``active[block_slot[b]]`` 0)."""
+    blocks = partials.numel()
+    _sum_squares_kernel[(cdiv(blocks, _SUM_SQUARES_BLOCKS),)](
+        grad, block_slot, active, partials, blocks, BLOCK=BLOCK, BLOCKS_PER_PROGRAM=_SUM_SQUARES_BLOCKS, num_warps=4
+    )
 
 
 def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
@@ -488,10 +507,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for index, buffer in enumerate(self.flat.buffers):
             blocks = buffer.data.numel() // BLOCK
             if blocks:
-                partials = self._partials[start : start + blocks]
-                _sum_squares_kernel[(blocks,)](
-                    buffer.grad, buffer.block_slot, self._active[index], partials, BLOCK=BLOCK, num_warps=4
-                )
+                sum_squares(buffer.grad, buffer.block_slot, self._active[index], self._partials[start : start + blocks])
             start += blocks
         return self._partials.sum().sqrt()
 

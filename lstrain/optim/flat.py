@@ -64,7 +64,8 @@ class FlatBuffer:
     """One dtype's parameters: flat data and grad, and where each parameter lies.
 
     ``block_group[b]`` and ``block_slot[b]`` are the group index and the parameter index
-    (its slot in ``params``) of block ``b`` (``BLOCK`` elements); padding elements are
+    (its slot in ``params``) of block ``b`` (``BLOCK`` elements), ``slot_group[i]`` the
+    group index of parameter ``i``; padding elements are
     zero in both buffers and stay zero under every update. ``grad_views[i]`` is the view
     that parameter ``i``'s ``.grad`` is while attached, ``data_ptrs[i]`` where its data
     lies in ``data``.
@@ -77,6 +78,7 @@ class FlatBuffer:
     offsets: list[int]
     block_group: torch.Tensor
     block_slot: torch.Tensor
+    slot_group: torch.Tensor
     grad_views: list[torch.Tensor]
     data_ptrs: list[int]
 
@@ -134,7 +136,8 @@ class FlatParameters:
         if layout:
             blocks[-1] += padding // BLOCK
         block_slot = torch.repeat_interleave(torch.arange(len(layout), dtype=torch.int32), blocks)
-        block_group = torch.tensor([g for _, _, g in layout], dtype=torch.int32)[block_slot.long()]
+        slot_group = torch.tensor([g for _, _, g in layout], dtype=torch.int32)
+        block_group = slot_group[block_slot.long()]
         grad_views = []
         with torch.no_grad():
             for p, offset, _ in layout:
@@ -155,6 +158,7 @@ class FlatParameters:
             [o for _, o, _ in layout],
             block_group.to(self.device),
             block_slot.to(self.device),
+            slot_group.to(self.device),
             grad_views,
             [p.data_ptr() for p, _, _ in layout],
         )

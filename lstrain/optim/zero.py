@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lstrain import _backend
 from lstrain.optim.adamw import FusedAdamW, _adamw_kernel
-from lstrain.optim.base import _rounds_to, _sum_squares_kernel
+from lstrain.optim.base import _rounds_to, sum_squares
 from lstrain.optim.distributed import _global_rank, broadcast_flat, check_process_group
 from lstrain.optim.flat import BLOCK, FlatParameters
 
@@ -239,10 +239,7 @@ class ZeroAdamW(FusedAdamW):
             b0 = self.rank * shard_blocks
             mine = partials[b0 : b0 + shard_blocks]
             start, end = self.shards[index]
-            _sum_squares_kernel[(shard_blocks,)](
-                buffer.grad[start:end], buffer.block_slot[b0 : b0 + shard_blocks], self._active[index], mine,
-                BLOCK=BLOCK, num_warps=4,
-            )  # fmt: skip
+            sum_squares(buffer.grad[start:end], buffer.block_slot[b0 : b0 + shard_blocks], self._active[index], mine)
             _all_gather(partials, mine, group=self.process_group)
             used.append(partials[: self._used_blocks[index]])
             start_block += blocks
@@ -261,8 +258,8 @@ class ZeroAdamW(FusedAdamW):
         b0, b1 = start // BLOCK, end // BLOCK
         _adamw_kernel[(b1 - b0,)](
             buffer.data[start:end], buffer.grad[start:end], master, self._buffers["exp_avg"][index],
-            self._buffers["exp_avg_sq"][index], buffer.block_group[b0:b1], buffer.block_slot[b0:b1],
-            self._active[index], self._hyper, self._steps[index], factor, found_inf, len(self.param_groups),
+            self._buffers["exp_avg_sq"][index], buffer.block_slot[b0:b1], self._active[index], self._scalars(index),
+            len(buffer.params), self._steps[index], factor, found_inf,
             HAS_MASTER=master is not None,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,
