@@ -311,8 +311,8 @@ def dropout_add_layer_norm_bwd(
         # equals its row mean; an FMA would leave the product's rounding error there.
         enable_fp_fusion=False,
     )  # fmt: skip
-    for first in range(0, len(params), 2):
-        sum_partials(partials[first : first + 2], params[first : first + 2])
+    if params:
+        sum_partials(partials, params)
     return grads + params
 
 

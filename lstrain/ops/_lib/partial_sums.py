@@ -23,12 +23,13 @@ def _column_sum_kernel(
     partial_ptr,
     first_out_ptr,
     second_out_ptr,
+    third_out_ptr,
     programs,
     cols,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    """Sum [outputs, programs, cols] fp32 partials over programs; output 1 or 2 on axis 1.
+    """Sum [outputs, programs, cols] fp32 partials over programs; output 1, 2 or 3 on axis 1.
 
     Narrow column slices give enough programs to fill the GPU; the loop is pipelined so
     that its few iterations do not wait on each other's loads.
@@ -45,18 +46,22 @@ def _column_sum_kernel(
     total = tl.sum(acc, axis=0)
     if which == 0:
         tl.store(first_out_ptr + col, total.to(first_out_ptr.dtype.element_ty), mask=col_ok)
-    else:
+    elif which == 1:
         tl.store(second_out_ptr + col, total.to(second_out_ptr.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(third_out_ptr + col, total.to(third_out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def sum_partials(partials: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
     """``outputs[i] = partials[i].sum(0)`` for fp32 ``partials`` of shape [len(outputs), programs, cols].
 
     Each output is a contiguous tensor of ``cols`` elements, of any float dtype (the sum is
-    rounded to it once). One or two outputs.
+    rounded to it once). One to three outputs, in one launch.
     """
     count, programs, cols = partials.shape
+    if not 1 <= count <= 3 or len(outputs) != count:
+        raise ValueError(f"sum_partials: 1 to 3 outputs, one per partials plane; got {len(outputs)} for {count}")
     _column_sum_kernel[(cdiv(cols, 16), count)](
-        partials, outputs[0], outputs[-1], programs, cols,
+        partials, outputs[0], outputs[min(1, count - 1)], outputs[-1], programs, cols,
         BLOCK_ROWS=256, BLOCK_COLS=16, num_warps=4,
     )  # fmt: skip
