@@ -74,18 +74,20 @@ def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DE
     return max(1, min(tokens, rows))
 
 
-def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with the product accumulated in fp32 and added with one rounding."""
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: int = 1) -> None:
+    """acc = beta * acc + a @ b, the product accumulated in fp32 and added with one rounding;
+    at beta 0 acc is not read (it may hold anything: no zero fill before a first chunk)."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)  # cuBLAS adds the fp32 product to C before rounding it
+        acc.addmm_(a, b, beta=beta)  # cuBLAS adds the fp32 product to C before rounding it
         return
     if acc.is_cuda and not torch.compiler.is_compiling():  # fake tensors cannot run addmm's out_dtype
         try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # 16-bit inputs, fp32 output (torch >= 2.8)
+            # 16-bit inputs, fp32 output (torch >= 2.8)
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, out=acc)
             return
         except TypeError:
             pass
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # no mixed-precision GEMM here: upcast the chunk
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)  # no mixed-precision GEMM here: upcast the chunk
 
 
 class _ChunkGradients:
@@ -129,9 +131,7 @@ class _ChunkGradients:
             if first and target.dtype == grad_logits.dtype:
                 torch.mm(grad_logits.t(), hidden_c, out=target)  # no zero fill, no read
             else:
-                if first:
-                    target.zero_()
-                _accumulate_product(target, grad_logits.t(), hidden_c)
+                _accumulate_product(target, grad_logits.t(), hidden_c, beta=0 if first else 1)
         if self.bias is not None:
             self.bias += grad_logits[:, : self.vocab].sum(dim=0, dtype=torch.float32)
 
