@@ -16,6 +16,7 @@ def add_residual(
     dropout: float,
     training: bool,
     norm: torch.nn.LayerNorm | None = None,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + dropout(y + bias)`` through :func:`lstrain.ops.bias_dropout_residual`,
     or with a LayerNorm ``norm`` ``(norm(h), h)`` through
@@ -30,6 +31,8 @@ def add_residual(
         dropout: drop probability, applied when ``training``.
         training: whether dropout is active.
         norm: the LayerNorm applied to the new residual stream, or None.
+        seed: the dropout mask's seed (a 1-element int64 tensor on y's device), or None
+            to draw one.
 
     Returns:
         The new residual stream, or ``(normed, new_residual)`` with ``norm``; in the dtype
@@ -42,7 +45,7 @@ def add_residual(
     if fusable:
         return dropout_add_layer_norm(
             y.to(dtype), bias, residual.to(dtype), norm.weight, norm.bias, eps=norm.eps, dropout=dropout,
-            training=training,
+            training=training, seed=seed,
         )  # fmt: skip
-    h = bias_dropout_residual(y.to(dtype), bias, residual, dropout=dropout, training=training)
+    h = bias_dropout_residual(y.to(dtype), bias, residual, dropout=dropout, training=training, seed=seed)
     return h if norm is None else (norm(h), h)

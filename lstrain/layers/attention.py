@@ -79,12 +79,14 @@ class SelfAttention(torch.nn.Module):
     Raises:
         ValueError: ``dim`` not a multiple of ``heads``, or a dropout outside [0, 1).
 
-    ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None)``: ``x``
+    ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None, seed=None)``: ``x``
     ``[batch, seq, dim]`` (the normalised input), ``residual`` shaped like it,
     ``key_padding_mask`` ``[batch, seq]`` bool (True = padding), ``attn_bias`` an additive
     float bias broadcastable to ``[batch, heads, seq, seq]`` (it may require grad). Returns
     the new residual stream; with a LayerNorm ``norm``, ``(norm(stream), stream)``, fused
-    into the residual add's kernel (:func:`lstrain.ops.dropout_add_layer_norm`).
+    into the residual add's kernel (:func:`lstrain.ops.dropout_add_layer_norm`). ``seed``
+    (fused only): the residual dropout's seed, a 1-element int64 tensor (drawn when None);
+    the attention dropout draws from torch's generator, as SDPA does.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class SelfAttention(torch.nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         attn_bias: torch.Tensor | None = None,
         norm: torch.nn.LayerNorm | None = None,
+        seed: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, seq, dim = x.shape
         project = qkv_projection if self.fused else qkv_projection_ref
@@ -144,7 +147,7 @@ class SelfAttention(torch.nn.Module):
         out = out.transpose(1, 2).reshape(batch, seq, dim)
         if self.fused:
             y = linear(out, self.c_proj.weight)
-            return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training, norm)
+            return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training, norm, seed)
         h = residual + F.dropout(self.c_proj(out), self.resid_dropout, self.training)
         return h if norm is None else (norm(h), h)
 

@@ -44,9 +44,10 @@ class MLP(torch.nn.Module):
     Raises:
         ValueError: an unknown activation or a dropout outside [0, 1).
 
-    ``forward(x, residual, norm=None)`` returns ``residual + dropout(c_proj(act(c_fc(x))))``;
-    with a LayerNorm ``norm``, ``(norm(stream), stream)``, fused into the residual add's
-    kernel (:func:`lstrain.ops.dropout_add_layer_norm`).
+    ``forward(x, residual, norm=None, seed=None)`` returns ``residual +
+    dropout(c_proj(act(c_fc(x))))``; with a LayerNorm ``norm``, ``(norm(stream), stream)``,
+    fused into the residual add's kernel (:func:`lstrain.ops.dropout_add_layer_norm`).
+    ``seed`` (fused only): the dropout's seed, a 1-element int64 tensor (drawn when None).
     """
 
     def __init__(
@@ -71,12 +72,16 @@ class MLP(torch.nn.Module):
         self.c_proj = torch.nn.Linear(hidden, dim, device=device, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.LayerNorm | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm: torch.nn.LayerNorm | None = None,
+        seed: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             h = bias_act_dropout(linear(x, self.c_fc.weight), self.c_fc.bias, activation=self.activation)
             y = linear(h, self.c_proj.weight)
-            return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training, norm)
+            return add_residual(y, self.c_proj.bias, residual, self.dropout, self.training, norm, seed)
         y = self.c_proj(ACTIVATIONS[self.activation](self.c_fc(x)))
         h = residual + F.dropout(y, self.dropout, self.training)
         return h if norm is None else (norm(h), h)

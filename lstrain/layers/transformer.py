@@ -49,11 +49,14 @@ class TransformerLayer(torch.nn.Module):
     ``ln_1`` and ``ln_2``. The parameters of ``next_norm`` are then read by this layer's
     forward.
 
-    ``forward(x, key_padding_mask=None, attn_bias=None, *, normed=None, next_norm=None)``:
-    ``x`` ``[batch, seq, dim]``; the masks as for :class:`SelfAttention`. Pre-LN only:
-    ``normed``, ``ln_1(x)`` when the caller has it already (the previous layer's
-    ``next_norm`` output); ``next_norm``, a LayerNorm for the layer's output. Returns the
-    output, or with ``next_norm`` ``(next_norm(output), output)``.
+    ``forward(x, key_padding_mask=None, attn_bias=None, *, normed=None, next_norm=None,
+    seeds=None)``: ``x`` ``[batch, seq, dim]``; the masks as for :class:`SelfAttention`.
+    Pre-LN only: ``normed``, ``ln_1(x)`` when the caller has it already (the previous
+    layer's ``next_norm`` output); ``next_norm``, a LayerNorm for the layer's output.
+    ``seeds`` (fused only): a ``[2]`` int64 tensor, the seeds of the attention's and the
+    MLP's residual dropouts (:func:`lstrain.ops.dropout_seeds`: a model draws all of its
+    layers' at once); drawn per op when None. Returns the output, or with ``next_norm``
+    ``(next_norm(output), output)``.
     """
 
     def __init__(
@@ -88,16 +91,18 @@ class TransformerLayer(torch.nn.Module):
         *,
         normed: torch.Tensor | None = None,
         next_norm: torch.nn.LayerNorm | None = None,
+        seeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        attn_seed, mlp_seed = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
         if not self.norm_first:
             if normed is not None or next_norm is not None:
                 raise ValueError("TransformerLayer: normed and next_norm apply to pre-LN layers (norm_first=True)")
-            x = self.attn(x, x, key_padding_mask, attn_bias, norm=self.ln_1)[0]
-            return self.mlp(x, x, norm=self.ln_2)[0]
+            x = self.attn(x, x, key_padding_mask, attn_bias, norm=self.ln_1, seed=attn_seed)[0]
+            return self.mlp(x, x, norm=self.ln_2, seed=mlp_seed)[0]
         if normed is None:
             normed = self.ln_1(x)
-        normed, x = self.attn(normed, x, key_padding_mask, attn_bias, norm=self.ln_2)
-        return self.mlp(normed, x, norm=next_norm)
+        normed, x = self.attn(normed, x, key_padding_mask, attn_bias, norm=self.ln_2, seed=attn_seed)
+        return self.mlp(normed, x, norm=next_norm, seed=mlp_seed)
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}"

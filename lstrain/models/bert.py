@@ -42,7 +42,7 @@ from lstrain.models.inputs import (
     check_shaped_like_input_ids,
     should_check_ids,
 )
-from lstrain.ops import embedding, linear_cross_entropy
+from lstrain.ops import dropout_seeds, embedding, linear_cross_entropy
 
 __all__ = ["HF_LAYER_NAMES", "BertConfig", "BertForMaskedLM", "BertOutput"]
 
@@ -424,8 +424,12 @@ class BertForMaskedLM(torch.nn.Module):
         self._check_inputs(input_ids, attention_mask, token_type_ids, labels, check_ids, masked_positions)
         key_padding_mask = None if attention_mask is None else attention_mask == 0
         x = self._embed(input_ids, token_type_ids)
-        for layer in self.bert["encoder"]["layer"]:
-            x = layer(x, key_padding_mask)
+        config = self.config
+        # the fused layers' residual dropout seeds in one draw, two per layer
+        drop = config.fused and self.training and config.hidden_dropout_prob > 0
+        seeds = dropout_seeds(2 * config.num_hidden_layers, input_ids.device) if drop else None
+        for i, layer in enumerate(self.bert["encoder"]["layer"]):
+            x = layer(x, key_padding_mask, seeds=None if seeds is None else seeds[2 * i : 2 * i + 2])
         head = self.cls["predictions"]
         decoder = self.bert["embeddings"]["word_embeddings"].weight
         if labels is None:

@@ -36,7 +36,7 @@ from lstrain.models.inputs import (
     check_shaped_like_input_ids,
     should_check_ids,
 )
-from lstrain.ops import embedding, linear_cross_entropy
+from lstrain.ops import dropout_seeds, embedding, linear_cross_entropy
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Output"]
 
@@ -307,13 +307,15 @@ class GPT2(torch.nn.Module):
         """
         self._check_inputs(input_ids, labels, attention_mask, check_ids)
         key_padding_mask = None if attention_mask is None else attention_mask == 0
-        x = self._embed(input_ids)
+        seeds = self._dropout_seeds(input_ids.device)
+        x = self._embed(input_ids, None if seeds is None else seeds[0:1])
         # Each layer applies the next LayerNorm (the next layer's ln_1, or ln_f) in its last
         # residual add's kernel and hands on both the stream and its normalised copy.
         layers, normed = self.transformer["h"], None
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].ln_1 if i + 1 < len(layers) else self.transformer["ln_f"]
-            normed, x = layer(x, key_padding_mask, normed=normed, next_norm=next_norm)
+            layer_seeds = None if seeds is None else seeds[1 + 2 * i : 3 + 2 * i]
+            normed, x = layer(x, key_padding_mask, normed=normed, next_norm=next_norm, seeds=layer_seeds)
         x = normed
         if labels is None:
             return GPT2Output(logits=self.lm_head(x))
@@ -331,13 +333,22 @@ class GPT2(torch.nn.Module):
         loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
         return GPT2Output(loss=loss, logits=logits)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _dropout_seeds(self, device: torch.device) -> torch.Tensor | None:
+        """The fused forward's dropout seeds in one draw (the embedding's, then each layer's
+        two), or None where no lstrain dropout runs."""
+        config = self.config
+        if not (config.fused and self.training and (config.embd_pdrop > 0 or config.resid_pdrop > 0)):
+            return None
+        return dropout_seeds(1 + 2 * config.n_layer, device)
+
+    def _embed(self, input_ids: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
         wte, wpe = self.transformer["wte"], self.transformer["wpe"]
         p = self.config.embd_pdrop
         if self.config.fused:  # ids were checked (or deliberately not) in forward
             return embedding(
-                input_ids, wte.weight, pos_weight=wpe.weight, dropout=p, training=self.training, check_ids=False
-            )
+                input_ids, wte.weight, pos_weight=wpe.weight, dropout=p, training=self.training, check_ids=False,
+                seed=seed,
+            )  # fmt: skip
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return F.dropout(wte(input_ids) + wpe(positions), p, self.training)
 

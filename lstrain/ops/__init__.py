@@ -1,6 +1,6 @@
 """Fused ops: each a Triton forward/backward pair behind a functional entry."""
 
-from lstrain.ops._lib.dropout import dropout_mask
+from lstrain.ops._lib.dropout import dropout_mask, dropout_seeds
 from lstrain.ops.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from lstrain.ops.attention_softmax import attention_softmax, attention_softmax_ref
 from lstrain.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
@@ -32,6 +32,7 @@ __all__ = [
     "dropout_add_layer_norm",
     "dropout_add_layer_norm_ref",
     "dropout_mask",
+    "dropout_seeds",
     "embedding",
     "embedding_ref",
     "gemm",

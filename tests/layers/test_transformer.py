@@ -159,6 +159,20 @@ def test_dropout_is_finite_and_follows_the_seed():
     torch.testing.assert_close(layer(x), layer(x), rtol=0, atol=0)
 
 
+def test_given_seeds_fix_the_residual_dropouts():
+    # the model draws every layer's seeds at once; a layer given its two uses them, not torch's generator
+    layer = TransformerLayer(32, 4, resid_dropout=0.5, device=DEVICE)
+    x = torch.randn(2, 8, 32, device=DEVICE)
+    seeds = torch.tensor([5, 6], dtype=torch.int64, device=DEVICE)
+    torch.manual_seed(0)
+    first = layer(x, seeds=seeds)
+    torch.manual_seed(1)
+    again = layer(x, seeds=seeds)
+    other = layer(x, seeds=torch.tensor([5, 7], dtype=torch.int64, device=DEVICE))
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first, other)
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lstrain._backend import record_backends
 from lstrain.models import GPT2, GPT2Config
@@ -84,6 +85,29 @@ def test_dropout_gives_a_finite_loss_that_follows_the_seed():
     assert losses[0].item() == losses[1].item() and losses[0].item() != losses[2].item()
     losses[2].backward()
     assert all(torch.isfinite(p.grad).all() for p in fused.parameters())
+
+
+class _CountSeedDraws(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.draws = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.draws += "randint" in func.__name__
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_seed_draw_serves_every_fused_dropout_of_a_forward():
+    # one kernel per forward, not one per op: each is a launch of a captured step
+    fused, _ = twins(resid_pdrop=0.1, embd_pdrop=0.1)
+    ids, labels, _ = batch(TINY["vocab_size"])
+    with _CountSeedDraws() as counter:
+        fused(ids, labels=labels)
+    assert counter.draws == 1
+    fused.eval()
+    with _CountSeedDraws() as counter:
+        fused(ids, labels=labels)
+    assert counter.draws == 0
 
 
 def test_state_dict_has_hugging_face_keys_and_a_tied_head():

@@ -17,7 +17,7 @@ from lstrain.ops import (
     bias_dropout_residual_ref,
     embedding,
 )
-from lstrain.ops._lib.dropout import _philox_keep_ref, dropout_mask, elementwise_plan
+from lstrain.ops._lib.dropout import _philox_keep_ref, dropout_mask, dropout_seeds, elementwise_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import bias_dropout_cases
@@ -265,6 +265,17 @@ def test_bad_seed_names_the_argument(device, make_seed, match):
     for call in calls[: 3 if isinstance(seed, int) or seed.is_meta else 4]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_dropout_seeds_are_one_draw_of_torch_generator(device):
+    torch.manual_seed(3)
+    seeds = dropout_seeds(5, device)
+    torch.manual_seed(3)
+    assert seeds.shape == (5,) and seeds.dtype == torch.int64 and seeds.device.type == torch.device(device).type
+    torch.testing.assert_close(seeds, torch.randint(0, 2**31 - 1, (5,), device=device, dtype=torch.int64))
+    for count in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="dropout_seeds: count must be an int >= 1"):
+            dropout_seeds(count, device)
 
 
 @pytest.mark.parametrize(
