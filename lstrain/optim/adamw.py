@@ -114,9 +114,15 @@ def _adamw_kernel(
     v = tl.load(exp_avg_sq_ptr + offsets, mask=write, other=0.0).to(tl.float32)
     m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
     v = v * beta2 + one_minus_beta2 * g * g
-    # correctly rounded sqrt and divisions, as torch's (Triton's defaults approximate them)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    w = w - step_size * tl.div_rn(m, denom)
+    if ROUND_WEIGHT:
+        # Triton's approximate sqrt and divisions (within 2 fp32 units): rounded stochastically
+        # to bf16, 2**16 fp32 units apart, the update cannot tell them apart, and the kernel
+        # is bound by instruction issue as much as by memory (ncu: 76% and 76%)
+        w = w - step_size * (m / (tl.sqrt(v) / bias_correction2_sqrt + eps))
+    else:
+        # correctly rounded sqrt and divisions, as torch's (Triton's defaults approximate them)
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        w = w - step_size * tl.div_rn(m, denom)
     key = rounding_key(seed, step)
     first = rng_offset + pid.to(tl.int64) * BLOCK
     store_state(exp_avg_ptr, offsets, m, write, key, first, 1, ROUND_STATE, BLOCK)
