@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lstrain.ops._lib.layout import cdiv
 from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
 from lstrain.optim.flat import BLOCK
 from lstrain.optim.rounding import rounding_key
@@ -248,7 +247,7 @@ class FusedAdamW(FlatOptimizer):
         buffer = self.flat.buffers[index]
         slots = len(buffer.params)
         scalars = torch.empty(SCALARS, slots, dtype=torch.float32, device=buffer.data.device)
-        _adamw_scalars_kernel[(cdiv(slots, 128),)](
+        _adamw_scalars_kernel[(triton.cdiv(slots, 128),)](
             self._hyper, self._steps[index], buffer.slot_group, scalars, slots, len(self.param_groups),
             BLOCK_SLOTS=128, num_warps=4,
         )  # fmt: skip

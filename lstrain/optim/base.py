@@ -23,7 +23,6 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lstrain import _backend
-from lstrain.ops._lib.layout import cdiv
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, adopt_grads
 from lstrain.optim.rounding import random_halves, round_to_bf16
 
@@ -128,7 +127,7 @@ def sum_squares(grad: torch.Tensor, block_slot: torch.Tensor, active: torch.Tens
     """``partials[b]`` = the sum of squares of block ``b`` of the flat gradient ``grad`` in
     fp32 (0 for a block whose parameter has no gradient: ``active[block_slot[b]]`` 0)."""
     blocks = partials.numel()
-    _sum_squares_kernel[(cdiv(blocks, _SUM_SQUARES_BLOCKS),)](
+    _sum_squares_kernel[(triton.cdiv(blocks, _SUM_SQUARES_BLOCKS),)](
         grad, block_slot, active, partials, blocks, BLOCK=BLOCK, BLOCKS_PER_PROGRAM=_SUM_SQUARES_BLOCKS, num_warps=4
     )
 
