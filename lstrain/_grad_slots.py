@@ -1,9 +1,10 @@
 """Places in flat gradient buffers that a backward may write a parameter's gradient into.
 
 An optimizer over flat gradient buffers (:class:`lstrain.optim.FlatParameters`) registers
-where each parameter's gradient lives; a backward that computes a weight gradient with a
-GEMM (``lstrain.ops._lib.layout.matmul_like``) takes that place and writes the gradient
-there instead of into a new tensor. autograd's AccumulateGrad makes a gradient nobody
+where each parameter's gradient lives; a backward that computes a parameter's gradient (a
+weight's GEMM, ``lstrain.ops._lib.layout.matmul_like``; a bias's or a norm's column sum, an
+embedding table's rows, ``grad_place``) takes that place and writes the gradient there
+instead of into a new tensor. autograd's AccumulateGrad makes a gradient nobody
 else holds the parameter's ``.grad`` as it is, so after ``zero_grad(set_to_none=True)``
 the flat buffer receives the gradient with neither a copy nor the add into a zeroed buffer
 that ``set_to_none=False`` costs (GPT-2 medium: 292 adds and a fill per step).

@@ -19,7 +19,7 @@ import torch
 from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import contiguous_or_none
+from lstrain.ops._lib.layout import contiguous_or_none, grad_place
 from lstrain.ops.layer_norm import LayerNormPlan
 from lstrain.ops.rms_norm import rms_norm_arguments, rms_norm_bwd, rms_norm_fwd, rms_norm_ref
 
@@ -65,6 +65,7 @@ def add_rms_norm_bwd(
     normalized_shape: Sequence[int],
     weight_grad: bool,
     plan: LayerNormPlan | None = None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 
@@ -75,13 +76,15 @@ def add_rms_norm_bwd(
         weight, normalized_shape: as given to :func:`add_rms_norm_fwd`.
         weight_grad: whether to compute dweight.
         plan: launch settings (default: RMSNorm's backward plan for the shape and device).
+        into: ``into[0]``, when given, is where to write dweight (the weight's place in a
+            flat gradient buffer).
 
     Returns:
         ``[d new_residual in total]`` (the gradient of both x and residual), followed by
         dweight (in ``weight``'s dtype) if ``weight_grad``.
     """
     return rms_norm_bwd(
-        dnormed, new_residual, weight, rstd, normalized_shape, weight_grad, plan, sum_grad=dnew_residual
+        dnormed, new_residual, weight, rstd, normalized_shape, weight_grad, plan, sum_grad=dnew_residual, into=into
     )
 
 
@@ -132,8 +135,9 @@ class AddRMSNormFunction(torch.autograd.Function):
         weight_grad = ctx.needs_input_grad[3]
         if dnormed is None:  # only new_residual was used: its gradient passes straight through
             return dnew_residual, dnew_residual, None, None, None
+        into = (grad_place(weight) if weight_grad else None,)
         grads = add_rms_norm_bwd_op(
-            dnormed, dnew_residual, new_residual, weight, rstd, ctx.normalized_shape, weight_grad
+            dnormed, dnew_residual, new_residual, weight, rstd, ctx.normalized_shape, weight_grad, into=into
         )
         # One tensor is the gradient of both inputs: x + residual passes it to each unchanged.
         return grads[0], grads[0], None, grads[1] if weight_grad else None, None

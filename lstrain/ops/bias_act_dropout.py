@@ -8,6 +8,8 @@ through per-program fp32 partials (deterministic).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -177,19 +179,23 @@ def bias_act_dropout_bwd(
     bias_grad: bool,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """``[scale * dx]``, plus dbias (the unscaled dx summed over rows) when ``bias_grad``:
     in bias's dtype, or fp32 where ``bias`` is None (for a caller whose x already holds
     its bias, as gemm's saved pre-activation does). ``out``: a contiguous tensor shaped
     like x to write scale * dx into, x itself included (each element is read before the
-    program that owns it writes it); a new one when None."""
+    program that owns it writes it); a new one when None. ``into[0]``, when given: where
+    to write dbias (the bias's place in a flat gradient buffer)."""
     cols = x.shape[-1]
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out]
     if bias_grad:
-        grads.append(torch.empty(cols, dtype=torch.float32 if bias is None else bias.dtype, device=x.device))
+        place = into[0] if into else None
+        dtype = torch.float32 if bias is None else bias.dtype
+        grads.append(torch.empty(cols, dtype=dtype, device=x.device) if place is None else place)
     if cols == 0:
         return grads
     plan = elementwise_plan(cols)
@@ -250,7 +256,8 @@ class BiasActDropoutFunction(torch.autograd.Function):
         refuse_create_graph("bias_act_dropout")
         x, bias, seed = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[1]
-        grads = bias_act_dropout_bwd_op(dy, x, bias, seed, *ctx.options, bias_grad)
+        into = (grad_place(bias) if bias_grad else None,)
+        grads = bias_act_dropout_bwd_op(dy, x, bias, seed, *ctx.options, bias_grad, into=into)
         return grads[0], (grads[1] if bias_grad else None), None, None, None, None
 
 

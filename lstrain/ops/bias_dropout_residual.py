@@ -8,6 +8,8 @@ per-program fp32 partials (deterministic). The residual's gradient is dy itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -117,16 +119,21 @@ def dropout_bwd(
     bias_grad: bool,
     bias_dtype: torch.dtype | None,
     plan: ElementwisePlan | None = None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx, dbias)`` for y = dropout(x + bias) (+ anything): dx = dy * mask / (1 - p),
-    dbias = dx summed over rows (None unless ``bias_grad``); dx is dy itself without dropout."""
+    dbias = dx summed over rows (None unless ``bias_grad``; written into ``into[0]`` when
+    that is given, e.g. the bias's place in a flat gradient buffer); dx is dy itself
+    without dropout."""
     cols = dy.shape[-1]
     dy2d = as_rows(dy, cols)
     rows = dy2d.shape[0]
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if dropout else dy
     if not (dropout or bias_grad):
         return dx, None
-    dbias = torch.empty(cols, dtype=bias_dtype, device=dy.device) if bias_grad else None
+    dbias = None
+    if bias_grad:
+        dbias = into[0] if into and into[0] is not None else torch.empty(cols, dtype=bias_dtype, device=dy.device)
     if cols == 0:
         return dx, dbias
     plan = plan or elementwise_plan(cols)
@@ -212,22 +219,23 @@ def dropout_bwd_list_op(
     return grads + ([dy.new_empty(dy.shape[-1], dtype=bias_dtype)] if bias_grad else [])
 
 
-def dropout_backward(dy, seed, p, dropout, bias_grad, bias_dtype):
+def dropout_backward(dy, seed, p, dropout, bias_grad, bias_dtype, into=()):
     """:func:`dropout_bwd`, through the custom op under torch.compile (eager calls return
-    dy itself as dx when nothing is dropped)."""
+    dy itself as dx when nothing is dropped; ``into`` is None there)."""
     if not torch.compiler.is_compiling():
-        return dropout_bwd(dy, seed, p, dropout, bias_grad, bias_dtype)
+        return dropout_bwd(dy, seed, p, dropout, bias_grad, bias_dtype, into=into)
     grads = dropout_bwd_list_op(dy, seed, p, dropout, bias_grad, bias_dtype)
     return grads[0], grads[1] if bias_grad else None
 
 
 class BiasDropoutResidualFunction(torch.autograd.Function):
-    """Autograd for :func:`bias_dropout_residual`; saves only the seed."""
+    """Autograd for :func:`bias_dropout_residual`; saves the seed (and the bias, whose
+    gradient's place it looks up, no values)."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, seed, p, dropout):
         y = bias_dropout_residual_fwd_op(x, bias, residual, seed, p, dropout)
-        ctx.save_for_backward(seed)
+        ctx.save_for_backward(seed, bias)  # bias: the parameter its gradient may be written into
         ctx.p, ctx.dropout = p, dropout
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -235,9 +243,10 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("bias_dropout_residual")
-        (seed,) = ctx.saved_tensors
+        seed, bias = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[1]
-        dx, dbias = dropout_backward(dy, seed, ctx.p, ctx.dropout, bias_grad, ctx.bias_dtype)
+        into = (grad_place(bias) if bias_grad else None,)
+        dx, dbias = dropout_backward(dy, seed, ctx.p, ctx.dropout, bias_grad, ctx.bias_dtype, into)
         dresidual = dy if ctx.needs_input_grad[2] else None
         return (dx if ctx.needs_input_grad[0] else None), dbias, dresidual, None, None, None
 

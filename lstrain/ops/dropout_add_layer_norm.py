@@ -24,6 +24,7 @@ in a row instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -39,7 +40,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref, dropout_backward
@@ -256,6 +257,7 @@ def dropout_add_layer_norm_bwd(
     x_bias_grad: bool,
     bias_dtype: torch.dtype | None,
     x_bias_dtype: torch.dtype | None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 
@@ -266,6 +268,8 @@ def dropout_add_layer_norm_bwd(
         weight, seed, p, dropout: as given to it.
         weight_grad, bias_grad, x_bias_grad: which parameter gradients to compute.
         bias_dtype, x_bias_dtype: their dtypes.
+        into: where to write dweight, dbias and dx_bias (in that order; None or missing: a
+            new tensor), e.g. their places in flat gradient buffers.
 
     Returns:
         ``[dresidual]`` (the gradient of ``residual``, and of ``x`` without dropout), then
@@ -281,7 +285,12 @@ def dropout_add_layer_norm_bwd(
         grads.append(torch.empty(new_residual.shape, **like))
     weight_dtype = None if weight is None else weight.dtype
     wanted = ((weight_grad, weight_dtype), (bias_grad, bias_dtype), (x_bias_grad, x_bias_dtype))
-    params = [torch.empty(cols, dtype=dtype, device=new_residual.device) for want, dtype in wanted if want]
+    places = (*into, None, None, None)[:3]
+    params = [
+        torch.empty(cols, dtype=dtype, device=new_residual.device) if place is None else place
+        for (want, dtype), place in zip(wanted, places, strict=True)
+        if want
+    ]
     if cols == 0:
         return grads + params
     device = _backend.device_index(new_residual)
@@ -374,7 +383,8 @@ class DropoutAddLayerNormFunction(torch.autograd.Function):
         normed, new_residual, stats = dropout_add_layer_norm_fwd_op(
             x, x_bias, residual, weight, bias, seed, eps, p, dropout
         )
-        ctx.save_for_backward(new_residual, weight, stats, seed)
+        # bias and x_bias only as the parameters their gradients may be written into
+        ctx.save_for_backward(new_residual, weight, stats, seed, bias, x_bias)
         ctx.p, ctx.dropout = p, dropout
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_bias_dtype = None if x_bias is None else x_bias.dtype
@@ -385,13 +395,18 @@ class DropoutAddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnormed, dnew_residual):
         refuse_create_graph("dropout_add_layer_norm")
-        new_residual, weight, stats, seed = ctx.saved_tensors
+        new_residual, weight, stats, seed, bias, x_bias = ctx.saved_tensors
         x_grad, x_bias_grad, residual_grad, weight_grad, bias_grad = ctx.needs_input_grad[:5]
         if dnormed is None:  # only new_residual was used: LayerNorm contributes nothing
-            return _bias_dropout_residual_grads(ctx, dnew_residual, seed)
+            return _bias_dropout_residual_grads(ctx, dnew_residual, seed, x_bias)
+        into = (
+            grad_place(weight) if weight_grad else None,
+            grad_place(bias) if bias_grad else None,
+            grad_place(x_bias) if x_bias_grad else None,
+        )
         grads = dropout_add_layer_norm_bwd_op(
             dnormed, dnew_residual, new_residual, weight, stats, seed, ctx.p, ctx.dropout,
-            weight_grad, bias_grad, x_bias_grad, ctx.bias_dtype, ctx.x_bias_dtype,
+            weight_grad, bias_grad, x_bias_grad, ctx.bias_dtype, ctx.x_bias_dtype, into=into,
         )  # fmt: skip
         dresidual = grads[0]
         dx = grads[1] if ctx.dropout else dresidual  # without dropout one tensor serves both
@@ -412,10 +427,11 @@ class DropoutAddLayerNormFunction(torch.autograd.Function):
         )
 
 
-def _bias_dropout_residual_grads(ctx, dnew_residual, seed):
+def _bias_dropout_residual_grads(ctx, dnew_residual, seed, x_bias):
     """The backward of ``residual + dropout(x + x_bias)`` alone, for when ``normed`` is unused."""
     x_bias_grad = ctx.needs_input_grad[1]
-    dx, dx_bias = dropout_backward(dnew_residual, seed, ctx.p, ctx.dropout, x_bias_grad, ctx.x_bias_dtype)
+    into = (grad_place(x_bias) if x_bias_grad else None,)
+    dx, dx_bias = dropout_backward(dnew_residual, seed, ctx.p, ctx.dropout, x_bias_grad, ctx.x_bias_dtype, into)
     return dx, dx_bias, dnew_residual, None, None, None, None, None, None
 
 

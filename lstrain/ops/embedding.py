@@ -22,6 +22,7 @@ tensors or with ``check_ids=True``, a ValueError names them first).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -39,7 +40,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import cdiv, contiguous_or_none, grad_place
 from lstrain.ops._lib.options import float_option, int_option
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
@@ -474,12 +475,15 @@ def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, s
     )  # fmt: skip
 
 
-def _table_gradient(dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, deterministic, pos_table, seq_len):
+def _table_gradient(
+    dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, deterministic, pos_table, seq_len, place=None
+):
     """Gradient of a [rows, D] table looked up at ``ids`` (padding and out-of-range ids left
-    out), from its per-row ``counts`` (counted here when None); the rows of ``pos_table``,
-    if given, are summed in the same first launch."""
+    out), from its per-row ``counts`` (counted here when None), written into ``place`` when
+    given (every row of it); the rows of ``pos_table``, if given, are summed in the same
+    first launch."""
     tokens, dim = dy.shape
-    table = torch.empty((rows, dim), dtype=dtype, device=dy.device)
+    table = torch.empty((rows, dim), dtype=dtype, device=dy.device) if place is None else place
     if counts is None:
         counts = torch.zeros((2, rows), dtype=torch.int32, device=dy.device)
         if tokens:
@@ -535,16 +539,20 @@ def embedding_bwd(
     deterministic: bool,
     weight_grad: bool,
     pos_grad: bool,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """dweight if ``weight_grad``, then dpos_weight if ``pos_grad`` (a list of 0 to 2);
-    ``counts`` are the token table's from :func:`embedding_fwd` (None: counted here)."""
+    ``counts`` are the token table's from :func:`embedding_fwd` (None: counted here).
+    ``into``: where to write (dweight, dpos_weight) where given (contiguous, e.g. the
+    tables' places in flat gradient buffers)."""
     dim = dy.shape[-1]
     dy2d = dy.reshape(ids.numel(), dim).contiguous()
     flat = ids.reshape(-1).contiguous()
     seq_len = ids.shape[-1] if ids.dim() else 1
+    weight_place, pos_place = (*into, None, None)[:2]
     pos_table = None
     if pos_grad and positions is None:  # summed by the token table's first launch
-        pos_table = torch.empty((pos_rows, dim), dtype=pos_dtype, device=dy.device)
+        pos_table = torch.empty((pos_rows, dim), dtype=pos_dtype, device=dy.device) if pos_place is None else pos_place
     grads = []
     if weight_grad:
         grads.append(
@@ -561,6 +569,7 @@ def embedding_bwd(
                 deterministic,
                 pos_table,
                 seq_len,
+                weight_place,
             )
         )
     elif pos_table is not None:
@@ -572,8 +581,9 @@ def embedding_bwd(
             if padding_idx >= 0:
                 flat_positions = torch.where(flat == padding_idx, -1, flat_positions)
             pos_table = _table_gradient(
-                dy2d, flat_positions, None, pos_rows, pos_dtype, -1, 1.0, seed, p, deterministic, None, seq_len
-            )
+                dy2d, flat_positions, None, pos_rows, pos_dtype, -1, 1.0, seed, p, deterministic, None, seq_len,
+                pos_place,
+            )  # fmt: skip
         grads.append(pos_table)
     return grads
 
@@ -624,7 +634,8 @@ class EmbeddingFunction(torch.autograd.Function):
     def forward(ctx, ids, weight, pos_weight, positions, scale, padding_idx, seed, p, deterministic):
         count = ctx.needs_input_grad[1]
         y, counts = embedding_fwd_op(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count)
-        ctx.save_for_backward(ids, positions, seed, counts if count else None)
+        # the tables only as the parameters their gradients may be written into
+        ctx.save_for_backward(ids, positions, seed, counts if count else None, weight, pos_weight)
         ctx.tables = (weight.shape[0], weight.dtype, 0 if pos_weight is None else pos_weight.shape[0])
         ctx.pos_dtype = None if pos_weight is None else pos_weight.dtype
         ctx.options = (scale, padding_idx, p, deterministic)
@@ -633,13 +644,14 @@ class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("embedding")
-        ids, positions, seed, counts = ctx.saved_tensors
+        ids, positions, seed, counts, weight, pos_weight = ctx.saved_tensors
         scale, padding_idx, p, deterministic = ctx.options
         rows, dtype, pos_rows = ctx.tables
         weight_grad, pos_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        into = (grad_place(weight) if weight_grad else None, grad_place(pos_weight) if pos_grad else None)
         grads = embedding_bwd_op(
             dy, ids, counts, rows, dtype, pos_rows, ctx.pos_dtype, positions, scale, padding_idx, seed, p,
-            deterministic, weight_grad, pos_grad,
+            deterministic, weight_grad, pos_grad, into=into,
         )  # fmt: skip
         dweight = grads[0] if weight_grad else None
         dpos_weight = grads[-1] if pos_grad else None

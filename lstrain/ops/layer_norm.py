@@ -28,7 +28,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 
@@ -348,23 +348,29 @@ def layer_norm_bwd(
     bias_grad: bool,
     bias_dtype: torch.dtype | None = None,
     plan: LayerNormPlan | None = None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 
     Returns:
         ``[dx]`` followed by dweight if ``weight_grad`` and dbias if ``bias_grad``; the
         parameter gradients are in the parameters' dtypes (``bias_dtype`` for dbias,
-        default ``x.dtype``).
+        default ``x.dtype``), written into ``into``'s (dweight, dbias) where given (their
+        places in flat gradient buffers).
     """
     cols = math.prod(normalized_shape)
     x2d = as_rows(x, cols)
     dy2d = as_rows(dy, cols)
     rows = x2d.shape[0]
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
+    weight_place, bias_place = (*into, None, None)[:2]
     if weight_grad:
-        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
+        grads.append(
+            torch.empty(normalized_shape, dtype=weight.dtype, device=x.device) if weight_place is None else weight_place
+        )
     if bias_grad:
-        grads.append(torch.empty(normalized_shape, dtype=bias_dtype or x.dtype, device=x.device))
+        dtype = bias_dtype or x.dtype
+        grads.append(torch.empty(normalized_shape, dtype=dtype, device=x.device) if bias_place is None else bias_place)
     if cols == 0:
         return grads
     device = _backend.device_index(x)
@@ -426,12 +432,13 @@ def layer_norm_bwd_op(
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """Autograd for :func:`layer_norm`; saves x, weight and the fp32 statistics."""
+    """Autograd for :func:`layer_norm`; saves x, weight and the fp32 statistics (and the
+    bias, whose gradient's place it looks up)."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps):
         y, stats = layer_norm_fwd_op(x, normalized_shape, weight, bias, eps)
-        ctx.save_for_backward(x, weight, stats)
+        ctx.save_for_backward(x, weight, stats, bias)  # bias: the parameter its gradient may be written into
         ctx.normalized_shape = normalized_shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -439,9 +446,12 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("layer_norm")
-        x, weight, stats = ctx.saved_tensors
+        x, weight, stats, bias = ctx.saved_tensors
         weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        grads = layer_norm_bwd_op(dy, x, weight, stats, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype)
+        into = (grad_place(weight) if weight_grad else None, grad_place(bias) if bias_grad else None)
+        grads = layer_norm_bwd_op(
+            dy, x, weight, stats, ctx.normalized_shape, weight_grad, bias_grad, ctx.bias_dtype, into=into
+        )
         dweight = grads[1] if weight_grad else None
         dbias = grads[-1] if bias_grad else None
         return grads[0], None, dweight, dbias, None

@@ -14,6 +14,7 @@ docs/notes/step_profiles.md).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, matmul_like
+from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = ["QKVProjectionFunction", "pack_heads_grad", "qkv_projection", "qkv_projection_ref"]
@@ -103,7 +104,12 @@ def _pack_plan(head_dim: int) -> ElementwisePlan:
 
 
 def pack_heads_grad(
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, bias_grad: bool, bias_dtype: torch.dtype | None
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    bias_grad: bool,
+    bias_dtype: torch.dtype | None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """``[dqkv, (dbias)]``: the three ``[batch, heads, seq, head_dim]`` gradients packed into
     ``[batch, seq, 3 * heads * head_dim]`` (q then k then v, each head's columns together),
@@ -114,6 +120,8 @@ def pack_heads_grad(
         dq, dk, dv: one shape, dtype and device; any strides with the last dim contiguous.
         bias_grad: also sum the packed gradient over tokens.
         bias_dtype: the bias gradient's dtype (the bias's).
+        into: ``into[0]``, when given, is where to write the bias gradient (the bias's
+            place in a flat gradient buffer).
 
     Returns:
         A list: the packed gradient (contiguous), then the bias gradient if asked for.
@@ -123,7 +131,8 @@ def pack_heads_grad(
     dqkv = torch.empty((batch, seq, 3 * dim), dtype=dq.dtype, device=dq.device)
     grads = [dqkv]
     if bias_grad:
-        grads.append(torch.empty(3 * dim, dtype=bias_dtype, device=dq.device))
+        place = into[0] if into else None
+        grads.append(torch.empty(3 * dim, dtype=bias_dtype, device=dq.device) if place is None else place)
     rows = batch * seq
     if rows == 0 or dim == 0:
         if bias_grad:
@@ -167,11 +176,12 @@ def _split(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 class QKVProjectionFunction(torch.autograd.Function):
-    """Autograd for :func:`qkv_projection`; saves x and the weight, as a linear layer does."""
+    """Autograd for :func:`qkv_projection`; saves x and the weight, as a linear layer does
+    (and the bias, whose gradient's place it looks up)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, heads):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, bias)  # bias: the parameter its gradient may be written into
         ctx.bias_dtype = None if bias is None else bias.dtype
         q, k, v = _split(F.linear(x, weight, bias), heads)
         return q, k, v
@@ -180,9 +190,11 @@ class QKVProjectionFunction(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         # Undefined gradients arrive as zeros (materialize_grads is on by default).
         refuse_create_graph("qkv_projection")
-        x, weight = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grads = pack_heads_grad_op(dq, dk, dv, need_bias, ctx.bias_dtype)
+        grads = pack_heads_grad_op(
+            dq, dk, dv, need_bias, ctx.bias_dtype, into=(grad_place(bias) if need_bias else None,)
+        )
         dqkv = grads[0].flatten(0, 1)
         x2d = x.reshape(-1, x.shape[-1])
         dx = (dqkv @ weight).view(x.shape) if need_x else None

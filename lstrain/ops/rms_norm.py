@@ -24,7 +24,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.layer_norm import CHUNK_COLS, MAX_TILE_COLS_BWD, LayerNormPlan, layer_norm_fwd_plan
@@ -302,6 +302,7 @@ def rms_norm_bwd(
     plan: LayerNormPlan | None = None,
     *,
     sum_grad: torch.Tensor | None = None,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 
@@ -314,6 +315,8 @@ def rms_norm_bwd(
         plan: launch settings (default: :func:`rms_norm_bwd_plan` for the shape and device).
         sum_grad: a gradient shaped like ``x`` added to dx in the same pass
             (add_rms_norm's incoming gradient of the new residual).
+        into: ``into[0]``, when given, is where to write dweight (the weight's place in a
+            flat gradient buffer).
 
     Returns:
         ``[dx]``, followed by dweight (in ``weight``'s dtype) if ``weight_grad``.
@@ -325,7 +328,8 @@ def rms_norm_bwd(
     rows = x2d.shape[0]
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
     if weight_grad:
-        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device))
+        place = into[0] if into else None
+        grads.append(torch.empty(normalized_shape, dtype=weight.dtype, device=x.device) if place is None else place)
     if cols == 0:
         return grads
     device = _backend.device_index(x)
@@ -392,7 +396,8 @@ class RMSNormFunction(torch.autograd.Function):
         refuse_create_graph("rms_norm")
         x, weight, rstd = ctx.saved_tensors
         weight_grad = ctx.needs_input_grad[2]
-        grads = rms_norm_bwd_op(dy, x, weight, rstd, ctx.normalized_shape, weight_grad)
+        into = (grad_place(weight) if weight_grad else None,)
+        grads = rms_norm_bwd_op(dy, x, weight, rstd, ctx.normalized_shape, weight_grad, into=into)
         return grads[0], None, grads[1] if weight_grad else None, None
 
 

@@ -28,7 +28,9 @@ def kernel_op(name: str, launcher: Callable, *, mutates_args: Sequence[str] = ()
     (the launcher takes the same leading positional arguments) and its body is the fake
     kernel, which returns empty tensors of the outputs' shapes, dtypes and devices. The
     decorator returns the callable the op's autograd Function uses: the launcher itself
-    in eager mode, the registered custom op while ``torch.compile`` traces.
+    in eager mode, the registered custom op while ``torch.compile`` traces. Its keyword
+    ``into`` goes to the launcher only: tensors (or None) to write parameter gradients
+    into (:func:`lstrain.ops._lib.layout.grad_place`), all None while tracing.
 
     Example::
 
@@ -64,10 +66,14 @@ def kernel_op(name: str, launcher: Callable, *, mutates_args: Sequence[str] = ()
 
         op.register_fake(fake_and_lowering)
 
-        def call(*args):
+        def call(*args, into: Sequence[torch.Tensor | None] = ()):
+            # ``into``: places for outputs (parameters' gradients in their flat buffers,
+            # lstrain._grad_slots), which only the eager launcher can be handed
             if torch.compiler.is_compiling():
+                if any(t is not None for t in into):
+                    raise RuntimeError(f"lstrain::{name}: output places are for eager calls only")
                 return op(*args)
-            return launcher(*args)
+            return launcher(*args, into=into) if into else launcher(*args)
 
         call.__name__ = call.__qualname__ = fake.__name__
         call.__doc__ = f"``{launcher.__name__}`` in eager mode, the custom op ``lstrain::{name}`` under torch.compile."

@@ -8,7 +8,7 @@ import torch
 
 from lstrain import _grad_slots
 
-__all__ = ["as_rows", "cdiv", "contiguous_or_none", "matmul_like"]
+__all__ = ["as_rows", "cdiv", "contiguous_or_none", "grad_place", "matmul_like"]
 
 
 def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -32,6 +32,14 @@ def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     flat arrays, so a strided view (``buf[::2]``, rows padded in a wider buffer) is copied
     rather than read wrongly; a contiguous tensor is returned as it is."""
     return None if t is None else t.contiguous()
+
+
+def grad_place(param: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """Where a backward may write the gradient of ``param`` (in ``dtype``, default its own):
+    its place in a flat gradient buffer (:mod:`lstrain._grad_slots`), so that the optimizer
+    copies nothing, or None (a new tensor; also for no parameter, and under torch.compile).
+    Ask only for a gradient the backward returns for ``param`` itself."""
+    return None if param is None else _grad_slots.take(param, param.dtype if dtype is None else dtype)
 
 
 def matmul_like(a: torch.Tensor, b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
