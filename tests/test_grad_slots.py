@@ -123,12 +123,13 @@ def _tiny_model(family):
 
 
 # What a backward of lstrain's models still leaves for the optimizer to copy into the flat
-# buffer: a tied word table (autograd adds its two gradients into a new tensor), the LM
-# head's weight gradient (made in forward, where a place in the buffer would be bumped by
-# every later write into it), BERT's position and token-type tables (summed by plain torch
-# ops) and its MLM head's biases.
+# buffer: an untied LM head's weight gradient (made in forward, where a zero_grad before
+# backward could clear a place in the buffer), BERT's tied word table (autograd adds the
+# decoder's gradient to the embedding's), its position and token-type tables (summed by
+# plain torch ops) and its MLM head's biases. GPT-2's tied table gets both gradients in
+# the embedding's backward (``return_table``).
 COPIED = {
-    "gpt2": {"transformer.wte.weight"},
+    "gpt2": set(),
     "bert": {
         "bert.embeddings.word_embeddings.weight",
         "bert.embeddings.position_embeddings.weight",

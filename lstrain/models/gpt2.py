@@ -308,7 +308,8 @@ class GPT2(torch.nn.Module):
         self._check_inputs(input_ids, labels, attention_mask, check_ids)
         key_padding_mask = None if attention_mask is None else attention_mask == 0
         seeds = self._dropout_seeds(input_ids.device)
-        x = self._embed(input_ids, None if seeds is None else seeds[0:1])
+        tied = labels is not None and self.lm_head.weight is self.transformer["wte"].weight
+        x, head_weight = self._embed(input_ids, None if seeds is None else seeds[0:1], tied_head=tied)
         # Each layer applies the next LayerNorm (the next layer's ln_1, or ln_f) in its last
         # residual add's kernel and hands on both the stream and its normalised copy.
         layers, normed = self.transformer["h"], None
@@ -324,7 +325,7 @@ class GPT2(torch.nn.Module):
         target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         if self.config.fused:
             loss = linear_cross_entropy(
-                x.reshape(-1, x.shape[-1]), self.lm_head.weight, target, ignore_index=IGNORE_INDEX, check_targets=False
+                x.reshape(-1, x.shape[-1]), head_weight, target, ignore_index=IGNORE_INDEX, check_targets=False
             )
             return GPT2Output(loss=loss)
         logits = self.lm_head(x)
@@ -341,16 +342,22 @@ class GPT2(torch.nn.Module):
             return None
         return dropout_seeds(1 + 2 * config.n_layer, device)
 
-    def _embed(self, input_ids: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
+    def _embed(
+        self, input_ids: torch.Tensor, seed: torch.Tensor | None, tied_head: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedded stream and the weight the LM head reads: with ``tied_head`` (fused)
+        the token table as the embedding op's second output, so that the head's gradient
+        meets the table's in the op's backward (one pass, no [V, D] add)."""
         wte, wpe = self.transformer["wte"], self.transformer["wpe"]
         p = self.config.embd_pdrop
         if self.config.fused:  # ids were checked (or deliberately not) in forward
-            return embedding(
+            out = embedding(
                 input_ids, wte.weight, pos_weight=wpe.weight, dropout=p, training=self.training, check_ids=False,
-                seed=seed,
+                seed=seed, return_table=tied_head,
             )  # fmt: skip
+            return out if tied_head else (out, self.lm_head.weight)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return F.dropout(wte(input_ids) + wpe(positions), p, self.training)
+        return F.dropout(wte(input_ids) + wpe(positions), p, self.training), self.lm_head.weight
 
     def _check_inputs(self, input_ids, labels, attention_mask, check_ids: bool | None) -> None:
         check_input_ids("GPT2", input_ids, "n_positions", self.config.n_positions)

@@ -12,7 +12,11 @@ sums each run of equal ids in token order, a frequent token's run in parallel ch
 combined in order: the same bits on every run. The position table's gradient, when
 positions come from the token index, is a fixed-order sum over the sequences in either
 mode (no sort, no atomics); explicit positions go the token table's way. The dropout mask
-is regenerated from its Philox seed; it is never stored.
+is regenerated from its Philox seed; it is never stored. A tied LM head can read the token
+table as the op's second output (``return_table``): the head's gradient then arrives in
+this backward, and the table's gradient is written in one pass, each row the head's plus
+its tokens' sum, rounded once (no [V, D] gradient of the embedding's own for autograd to
+add to the head's: GPT-2's 50257 x 1024 table is 103 MB a pass).
 
 Tokens equal to ``padding_idx`` give all-zero output rows and no gradient. Ids or
 positions outside their tables are never read: their output rows are NaN (and, for CPU
@@ -149,6 +153,16 @@ def _count_kernel(ids_ptr, count_ptr, owner_ptr, tokens, rows, padding_idx, BLOC
 
 
 @triton.jit
+def _plus_base(total, base_ptr, offsets, mask, HAS_BASE: tl.constexpr):
+    """``total`` (fp32) plus the ``base`` table's elements at ``offsets`` where HAS_BASE:
+    a gradient that arrived for the same table (a tied LM head's), added before the one
+    rounding into the table."""
+    if HAS_BASE:
+        total += tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return total
+
+
+@triton.jit
 def _scatter_phase(
     dy_ptr,
     ids_ptr,
@@ -156,6 +170,7 @@ def _scatter_phase(
     owner_ptr,
     sums_ptr,
     table_ptr,
+    base_ptr,
     seed_ptr,
     block,
     tokens,
@@ -165,6 +180,7 @@ def _scatter_phase(
     scale,
     p,
     PHASE: tl.constexpr,
+    HAS_BASE: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
@@ -174,7 +190,8 @@ def _scatter_phase(
     the table; the owner (last token) of a row looked up more often stores its gradient
     as the row's fp32 sum (``sums``, indexed by token). PHASE 1: every other token
     atomically adds its gradient into its owner's sum. PHASE 2: owners cast their sums
-    into the table. Only the rows that tokens look up are touched in fp32."""
+    into the table. Only the rows that tokens look up are touched in fp32. With HAS_BASE
+    a row written is its ``base`` row plus its sum, rounded once."""
     token = block.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     col = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
     col_ok = (col < dim)[None, :]
@@ -189,8 +206,9 @@ def _scatter_phase(
         owns = shared & (owner == token)
         g = _tile_gradient(dy_ptr, seed_ptr, token, col, (alone | owns)[:, None] & col_ok, dim, p, DROPOUT, BLOCK_DIM)
         g *= tl.cast(scale, tl.float32)
-        table_row = table_ptr + ids[:, None] * dim + col[None, :]
-        tl.store(table_row, g.to(table_ptr.dtype.element_ty), mask=alone[:, None] & col_ok)
+        row_offsets = ids[:, None] * dim + col[None, :]
+        g_alone = _plus_base(g, base_ptr, row_offsets, alone[:, None] & col_ok, HAS_BASE)
+        tl.store(table_ptr + row_offsets, g_alone.to(table_ptr.dtype.element_ty), mask=alone[:, None] & col_ok)
         tl.store(
             sums_ptr + token[:, None] * dim + col[None, :], g.to(sums_ptr.dtype.element_ty), mask=owns[:, None] & col_ok
         )
@@ -205,8 +223,10 @@ def _scatter_phase(
         owns = shared & (owner == token)
         if tl.max(owns.to(tl.int32), axis=0) > 0:
             mask = owns[:, None] & col_ok
-            s = tl.load(sums_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0)
-            tl.store(table_ptr + ids[:, None] * dim + col[None, :], s.to(table_ptr.dtype.element_ty), mask=mask)
+            s = tl.load(sums_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            row_offsets = ids[:, None] * dim + col[None, :]
+            s = _plus_base(s, base_ptr, row_offsets, mask, HAS_BASE)
+            tl.store(table_ptr + row_offsets, s.to(table_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows", "padding_idx"])
@@ -217,6 +237,7 @@ def _scatter_kernel(
     owner_ptr,
     sums_ptr,
     table_ptr,
+    base_ptr,
     seed_ptr,
     tokens,
     dim,
@@ -225,28 +246,38 @@ def _scatter_kernel(
     scale,
     p,
     PHASE: tl.constexpr,
+    HAS_BASE: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
 ):
     """Phases 1 and 2 of the atomic backward (see :func:`_scatter_phase`). A kernel of its
-    own rather than a role of :func:`_first_pass_kernel`: its launches take 13 arguments
-    instead of 18, and a Triton launch's host time grows with its arguments."""
+    own rather than a role of :func:`_first_pass_kernel`: its launches take 14 arguments
+    instead of 19, and a Triton launch's host time grows with its arguments."""
     _scatter_phase(
-        dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, seed_ptr, tl.program_id(0), tokens, dim, rows,
-        padding_idx, scale, p, PHASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
+        dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, base_ptr, seed_ptr, tl.program_id(0), tokens, dim,
+        rows, padding_idx, scale, p, PHASE, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
     )  # fmt: skip
 
 
 @triton.jit
-def _zero_unused_rows(table_ptr, count_ptr, block, rows, dim, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
-    """Zeros in the table rows of row block ``block`` that no token looked up; the others
-    are written by the scatter or the run sums, in any order relative to these."""
+def _unused_rows(
+    table_ptr, base_ptr, count_ptr, block, rows, dim, HAS_BASE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):  # fmt: skip
+    """The table rows of row block ``block`` that no token looked up: zeros, or their
+    ``base`` rows with HAS_BASE; the others are written by the scatter or the run sums,
+    in any order relative to these."""
     row = block.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
     unused = tl.load(count_ptr + row, mask=row < rows, other=1) == 0
-    zeros = tl.zeros([BLOCK_ROWS, BLOCK_DIM], dtype=table_ptr.dtype.element_ty)
-    tl.store(table_ptr + row[:, None] * dim + col[None, :], zeros, mask=unused[:, None] & (col < dim)[None, :])
+    mask = unused[:, None] & (col < dim)[None, :]
+    offsets = row[:, None] * dim + col[None, :]
+    if HAS_BASE:
+        values = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(table_ptr.dtype.element_ty)
+    else:
+        values = tl.zeros([BLOCK_ROWS, BLOCK_DIM], dtype=table_ptr.dtype.element_ty)
+    tl.store(table_ptr + offsets, values, mask=mask)
 
 
 @triton.jit
@@ -292,6 +323,7 @@ def _first_pass_kernel(
     owner_ptr,
     sums_ptr,
     table_ptr,
+    base_ptr,
     pos_table_ptr,
     seed_ptr,
     tokens,
@@ -306,6 +338,7 @@ def _first_pass_kernel(
     zero_programs,
     SCATTER: tl.constexpr,
     ZERO: tl.constexpr,
+    HAS_BASE: tl.constexpr,
     POSITIONS: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
@@ -313,19 +346,22 @@ def _first_pass_kernel(
 ):
     """All of the backward that needs no more than the counts, in one launch (each launch
     fewer saves host time): programs [0, scatter_programs) run phase 0 of the
-    atomic scatter, the next zero_programs zero the unused table rows, and the rest sum
+    atomic scatter, the next zero_programs write the unused table rows (zeros, or the
+    ``base`` rows with HAS_BASE), and the rest sum
     one position-table row each (positions from the token index). The constexpr flags
     leave out the roles a launch has no programs (and maybe no pointers) for."""
     pid = tl.program_id(0)
     if pid < scatter_programs:
         if SCATTER:
             _scatter_phase(
-                dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, seed_ptr, pid, tokens, dim, rows,
-                padding_idx, scale, p, 0, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
+                dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, base_ptr, seed_ptr, pid, tokens, dim, rows,
+                padding_idx, scale, p, 0, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
             )  # fmt: skip
     elif pid < scatter_programs + zero_programs:
         if ZERO:
-            _zero_unused_rows(table_ptr, count_ptr, pid - scatter_programs, rows, dim, BLOCK_TOKENS, BLOCK_DIM)
+            _unused_rows(
+                table_ptr, base_ptr, count_ptr, pid - scatter_programs, rows, dim, HAS_BASE, BLOCK_TOKENS, BLOCK_DIM
+            )
     elif POSITIONS:
         _position_row(
             dy_ptr, ids_ptr, pos_table_ptr, seed_ptr, pid - scatter_programs - zero_programs, dim, seq_len,
@@ -359,6 +395,7 @@ def _run_sum_kernel(
     count_ptr,
     partials_ptr,
     table_ptr,
+    base_ptr,
     seed_ptr,
     dim,
     rows,
@@ -366,6 +403,7 @@ def _run_sum_kernel(
     scale,
     p,
     COMBINE: tl.constexpr,
+    HAS_BASE: tl.constexpr,
     DROPOUT: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
@@ -376,7 +414,8 @@ def _run_sum_kernel(
     program at its first place (the other programs return at once), so that a frequent
     token's run is summed in parallel: a run of one chunk is written to the table
     directly, a longer one as fp32 partial sums, which the COMBINE launch adds up in
-    chunk order. Every sum has a fixed order: the same bits on every run."""
+    chunk order. Every sum has a fixed order: the same bits on every run. With HAS_BASE a
+    row written is its ``base`` row plus its sum, rounded once."""
     i = tl.program_id(0)
     row = tl.load(sorted_ids_ptr + i).to(tl.int64) + key_offset
     start = tl.load(run_start_ptr + i)
@@ -392,6 +431,7 @@ def _run_sum_kernel(
                 mask = (place < start + count)[:, None] & col_ok[None, :]
                 acc += tl.load(partials_ptr + place.to(tl.int64)[:, None] * dim + col[None, :], mask=mask, other=0.0)
             total = tl.sum(acc, axis=0) * tl.cast(scale, tl.float32)
+            total = _plus_base(total, base_ptr, row * dim + col, col_ok, HAS_BASE)
             tl.store(table_ptr + row * dim + col, total.to(table_ptr.dtype.element_ty), mask=col_ok)
     elif valid & ((i - start) % CHUNK == 0):
         p = tl.cast(p, tl.float32)
@@ -399,6 +439,7 @@ def _run_sum_kernel(
         total = _tokens_sum(dy_ptr, order_ptr, seed_ptr, i, end, col, col_ok, dim, p, DROPOUT, BLOCK_TOKENS, BLOCK_DIM)
         if count <= CHUNK:
             total *= tl.cast(scale, tl.float32)
+            total = _plus_base(total, base_ptr, row * dim + col, col_ok, HAS_BASE)
             tl.store(table_ptr + row * dim + col, total.to(table_ptr.dtype.element_ty), mask=col_ok)
         else:
             tl.store(partials_ptr + i.to(tl.int64) * dim + col, total, mask=col_ok)
@@ -453,9 +494,10 @@ def embedding_fwd(
     return y, counts
 
 
-def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, scale, seed, p, scatter):
+def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, scale, seed, p, scatter, base=None):
     """Launch :func:`_first_pass_kernel`: phase 0 of the scatter (``scatter``), the unused
-    rows of ``table`` (when given) and the position-table rows (``pos_table`` given)."""
+    rows of ``table`` (when given; ``base``'s rows where that is given, else zeros) and the
+    position-table rows (``pos_table`` given)."""
     tokens, dim = dy.shape
     tiles = gather_plan(dim)
     scatter_programs = cdiv(tokens, tiles.block_rows) if scatter else 0
@@ -466,22 +508,24 @@ def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, s
         return
     count_ptr, owner_ptr = (None, None) if counts is None else counts
     _first_pass_kernel[(programs, cdiv(dim, tiles.block_cols))](
-        dy, ids, count_ptr, owner_ptr, sums, table, pos_table, seed,
+        dy, ids, count_ptr, owner_ptr, sums, table, base, pos_table, seed,
         tokens, dim, rows, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
         scatter_programs, zero_programs,
-        SCATTER=scatter_programs > 0, ZERO=zero_programs > 0, POSITIONS=pos_table is not None,
-        DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows, BLOCK_DIM=tiles.block_cols,
+        SCATTER=scatter_programs > 0, ZERO=zero_programs > 0, HAS_BASE=base is not None,
+        POSITIONS=pos_table is not None, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows,
+        BLOCK_DIM=tiles.block_cols,
         num_warps=tiles.num_warps,
     )  # fmt: skip
 
 
 def _table_gradient(
-    dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, deterministic, pos_table, seq_len, place=None
-):
+    dy, ids, counts, rows, dtype, padding_idx, scale, seed, p, deterministic, pos_table, seq_len, place=None,
+    base=None,
+):  # fmt: skip
     """Gradient of a [rows, D] table looked up at ``ids`` (padding and out-of-range ids left
-    out), from its per-row ``counts`` (counted here when None), written into ``place`` when
-    given (every row of it); the rows of ``pos_table``, if given, are summed in the same
-    first launch."""
+    out), plus ``base`` (a contiguous gradient of the same table, or None), from its per-row
+    ``counts`` (counted here when None), written into ``place`` when given (every row of
+    it); the rows of ``pos_table``, if given, are summed in the same first launch."""
     tokens, dim = dy.shape
     table = torch.empty((rows, dim), dtype=dtype, device=dy.device) if place is None else place
     if counts is None:
@@ -493,16 +537,16 @@ def _table_gradient(
     # (in fp32, 408 adds into one row erred by 7.7e-6 where torch's sorted sum erred by 1e-6)
     sums_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     sums = torch.empty((tokens, dim), dtype=sums_dtype, device=dy.device) if atomic else None
-    _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, scale, seed, p, scatter=atomic)
+    _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, scale, seed, p, atomic, base)
     if tokens == 0 or rows == 0 or dim == 0:
         return table
     if atomic:
         tiles = gather_plan(dim)
         for phase in (1, 2):
             _scatter_kernel[(cdiv(tokens, tiles.block_rows), cdiv(dim, tiles.block_cols))](
-                dy, ids, *counts, sums, table, seed, tokens, dim, rows, padding_idx, scale, p,
-                PHASE=phase, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows, BLOCK_DIM=tiles.block_cols,
-                num_warps=tiles.num_warps,
+                dy, ids, *counts, sums, table, base, seed, tokens, dim, rows, padding_idx, scale, p,
+                PHASE=phase, HAS_BASE=base is not None, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows,
+                BLOCK_DIM=tiles.block_cols, num_warps=tiles.num_warps,
             )  # fmt: skip
         return table
     # The narrowest keys that hold [-1, rows] (bad ids clamped out of every row) sort in the
@@ -515,10 +559,10 @@ def _table_gradient(
     plan = elementwise_plan(dim)
     for combine in (False, True):
         _run_sum_kernel[(tokens, cdiv(dim, plan.block_cols))](
-            dy, sorted_ids, key_offset, order, run_start, counts[0], partials, table, seed, dim, rows, padding_idx,
-            scale, p,
-            COMBINE=combine, DROPOUT=seed is not None, CHUNK=_RUN_CHUNK, BLOCK_TOKENS=plan.block_rows,
-            BLOCK_DIM=plan.block_cols, num_warps=plan.num_warps,
+            dy, sorted_ids, key_offset, order, run_start, counts[0], partials, table, base, seed, dim, rows,
+            padding_idx, scale, p,
+            COMBINE=combine, HAS_BASE=base is not None, DROPOUT=seed is not None, CHUNK=_RUN_CHUNK,
+            BLOCK_TOKENS=plan.block_rows, BLOCK_DIM=plan.block_cols, num_warps=plan.num_warps,
         )  # fmt: skip
     return table
 
@@ -539,12 +583,15 @@ def embedding_bwd(
     deterministic: bool,
     weight_grad: bool,
     pos_grad: bool,
+    tied_grad: torch.Tensor | None = None,
     into: Sequence[torch.Tensor | None] = (),
 ) -> list[torch.Tensor]:
     """dweight if ``weight_grad``, then dpos_weight if ``pos_grad`` (a list of 0 to 2);
     ``counts`` are the token table's from :func:`embedding_fwd` (None: counted here).
-    ``into``: where to write (dweight, dpos_weight) where given (contiguous, e.g. the
-    tables' places in flat gradient buffers)."""
+    ``tied_grad``: a gradient of the token table from elsewhere (a tied LM head's), added
+    into dweight in the same pass (read, never written). ``into``: where to write
+    (dweight, dpos_weight) where given (contiguous, e.g. the tables' places in flat
+    gradient buffers)."""
     dim = dy.shape[-1]
     dy2d = dy.reshape(ids.numel(), dim).contiguous()
     flat = ids.reshape(-1).contiguous()
@@ -570,6 +617,7 @@ def embedding_bwd(
                 pos_table,
                 seq_len,
                 weight_place,
+                None if tied_grad is None else tied_grad.contiguous(),
             )
         )
     elif pos_table is not None:
@@ -621,6 +669,7 @@ def embedding_bwd_op(
     deterministic: bool,
     weight_grad: bool,
     pos_grad: bool,
+    tied_grad: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     grads = [dy.new_empty((weight_rows, dy.shape[-1]), dtype=weight_dtype)] if weight_grad else []
     return grads + ([dy.new_empty((pos_rows, dy.shape[-1]), dtype=pos_dtype)] if pos_grad else [])
@@ -628,10 +677,15 @@ def embedding_bwd_op(
 
 class EmbeddingFunction(torch.autograd.Function):
     """Autograd for :func:`embedding`; saves the ids (and positions), the seed and, when the
-    token table needs a gradient, its per-row counts (taken by the forward kernel)."""
+    token table needs a gradient, its per-row counts (taken by the forward kernel).
+
+    With ``return_table`` the token table is a second output (a view: the same values),
+    for a tied LM head to read; the head's gradient then arrives in this backward as that
+    output's, and the table's gradient is written once, the head's plus the looked-up
+    rows', rather than as a [V, D] gradient of its own that autograd adds to the head's."""
 
     @staticmethod
-    def forward(ctx, ids, weight, pos_weight, positions, scale, padding_idx, seed, p, deterministic):
+    def forward(ctx, ids, weight, pos_weight, positions, scale, padding_idx, seed, p, deterministic, return_table):
         count = ctx.needs_input_grad[1]
         y, counts = embedding_fwd_op(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count)
         # the tables only as the parameters their gradients may be written into
@@ -639,11 +693,16 @@ class EmbeddingFunction(torch.autograd.Function):
         ctx.tables = (weight.shape[0], weight.dtype, 0 if pos_weight is None else pos_weight.shape[0])
         ctx.pos_dtype = None if pos_weight is None else pos_weight.dtype
         ctx.options = (scale, padding_idx, p, deterministic)
-        return y
+        if not return_table:
+            return y
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not [V, D] zeros
+        return y, weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dtable=None):
         refuse_create_graph("embedding")
+        if dy is None:  # only the table output was used
+            return None, dtable, None, None, None, None, None, None, None, None
         ids, positions, seed, counts, weight, pos_weight = ctx.saved_tensors
         scale, padding_idx, p, deterministic = ctx.options
         rows, dtype, pos_rows = ctx.tables
@@ -651,11 +710,11 @@ class EmbeddingFunction(torch.autograd.Function):
         into = (grad_place(weight) if weight_grad else None, grad_place(pos_weight) if pos_grad else None)
         grads = embedding_bwd_op(
             dy, ids, counts, rows, dtype, pos_rows, ctx.pos_dtype, positions, scale, padding_idx, seed, p,
-            deterministic, weight_grad, pos_grad, into=into,
+            deterministic, weight_grad, pos_grad, dtable, into=into,
         )  # fmt: skip
         dweight = grads[0] if weight_grad else None
         dpos_weight = grads[-1] if pos_grad else None
-        return None, dweight, dpos_weight, None, None, None, None, None, None
+        return None, dweight, dpos_weight, None, None, None, None, None, None, None
 
 
 def _check_ids(name: str, ids: torch.Tensor, rows: int, skip: int | None) -> None:
@@ -680,7 +739,8 @@ def embedding(
     deterministic: bool | None = None,
     seed: torch.Tensor | None = None,
     check_ids: bool | None = None,
-) -> torch.Tensor:
+    return_table: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``dropout(scale * weight[tokens] + pos_weight[positions])`` in one kernel.
 
     Args:
@@ -700,9 +760,15 @@ def embedding(
         check_ids: raise ValueError for ids or positions outside their tables; default on for
             CPU tensors, off on CUDA (the check would synchronise with the host), where such
             rows come out NaN and nothing outside the tables is read.
+        return_table: also return ``weight`` as this op's output, for a tied LM head to
+            read its weight from: the head's gradient then reaches this op's backward,
+            which writes the table's whole gradient in one pass (the head's plus the
+            looked-up rows'), where autograd would otherwise add a [V, D] gradient of the
+            embedding's own to the head's.
 
     Returns:
-        ``[*tokens.shape, D]`` in weight's dtype.
+        ``[*tokens.shape, D]`` in weight's dtype; with ``return_table``, ``(that,
+        weight)``, the table a view with weight's values.
 
     Raises:
         ValueError: non-integer ids or positions (int64 / int32 only), 0-d tokens, 2**31 or more ids,
@@ -762,12 +828,15 @@ def embedding(
         seed = new_seed(weight.device)
     if backend == "reference":  # the kernels' mask, drawn by plain PyTorch: a seed means one mask everywhere
         mask = dropout_mask(seed, (*tokens.shape, weight.shape[1]), dropout) if active else None
-        return embedding_ref(tokens, weight, pos_weight=pos_weight, positions=positions, scale=scale,
-                             dropout=dropout if active else 0.0, padding_idx=padding_idx, mask=mask)  # fmt: skip
+        y = embedding_ref(tokens, weight, pos_weight=pos_weight, positions=positions, scale=scale,
+                          dropout=dropout if active else 0.0, padding_idx=padding_idx, mask=mask)  # fmt: skip
+        return (y, weight) if return_table else y
+    table = weight
     weight, pos_weight = weight.contiguous(), contiguous_or_none(pos_weight)  # rows addressed as row * D
-    if not torch.is_grad_enabled():  # nothing will be differentiated: no row counts in forward
+    differentiated = torch.is_grad_enabled()
+    if not differentiated:  # nothing will be differentiated: no row counts in forward
         weight, pos_weight = weight.detach(), None if pos_weight is None else pos_weight.detach()
-    return EmbeddingFunction.apply(
+    out = EmbeddingFunction.apply(
         tokens,
         weight,
         pos_weight,
@@ -777,7 +846,9 @@ def embedding(
         seed if active else None,
         dropout,
         deterministic,
+        return_table and differentiated,
     )
+    return (out, table) if return_table and not differentiated else out
 
 
 def embedding_ref(

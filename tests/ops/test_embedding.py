@@ -268,6 +268,53 @@ def test_custom_ops_pass_opcheck(device):
         for token_counts in (counts, None):
             args = (dy, tokens, token_counts, 10, torch.float32, 5, torch.float32, None, 2.0, 1, seed, 0.1)
             torch.library.opcheck(torch.ops.lstrain.embedding_bwd, (*args, deterministic, True, True))
+            tied = torch.randn(10, 8, device=device)
+            torch.library.opcheck(torch.ops.lstrain.embedding_bwd, (*args, deterministic, True, True, tied))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_head_meets_the_table_gradient_in_backward(device, deterministic, dtype):
+    """``return_table``: the head's gradient of the returned table and the looked-up rows'
+    are one gradient of the table, as autograd's sum of the two uses (one rounding less)."""
+    torch.manual_seed(0)
+    vocab, dim = 50, 24
+    tokens = torch.randint(0, 12, (3, 7), device=device)  # rows 12.. are never looked up
+    tokens[0, :4] = 5  # one row looked up by several tokens
+    weight = torch.randn(vocab, dim, device=device, dtype=dtype, requires_grad=True)
+    pos_weight = torch.randn(7, dim, device=device, dtype=dtype, requires_grad=True)
+    seed = torch.tensor([4], dtype=torch.int64, device=device)
+    dy = torch.randn(3, 7, dim, device=device, dtype=dtype)
+    head_input = torch.randn(5, dim, device=device, dtype=dtype)
+    dhead = torch.randn(5, vocab, device=device, dtype=dtype)
+    options = {"pos_weight": pos_weight, "scale": 2.0, "dropout": 0.2, "padding_idx": 3, "seed": seed,
+               "deterministic": deterministic}  # fmt: skip
+
+    def gradients(return_table):
+        out = embedding(tokens, weight, return_table=return_table, **options)
+        y, table = out if return_table else (out, weight)
+        head = head_input @ table.t()
+        return torch.autograd.grad((y, head), (weight, pos_weight), (dy, dhead))
+
+    fused, summed = gradients(True), gradients(False)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 2e-2)  # bf16: a rounding fewer
+    for got, expected in zip(fused, summed, strict=True):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def test_a_returned_table_nobody_differentiates_costs_nothing(device):
+    weight = torch.randn(9, 4, device=device, requires_grad=True)
+    tokens = torch.randint(0, 9, (2, 3), device=device)
+    y, table = embedding(tokens, weight, return_table=True)
+    torch.testing.assert_close(table, weight)
+    (dweight,) = torch.autograd.grad(y.sum(), weight)  # the table's gradient stays None: no [V, D] zeros
+    torch.testing.assert_close(dweight, torch.autograd.grad(embedding_ref(tokens, weight).sum(), weight)[0])
+    y, table = embedding(tokens, weight, return_table=True)
+    (only_table,) = torch.autograd.grad(table.sum(), weight)  # y's gradient None: the table's passes through
+    torch.testing.assert_close(only_table, torch.ones_like(weight))
+    with torch.no_grad():
+        y, table = embedding(tokens, weight, return_table=True)
+    assert table is weight
 
 
 @pytest.mark.parametrize("dim, rows, cols", [(1, 128, 8), (64, 16, 64), (1000, 1, 1024), (4096, 1, 1024)])
