@@ -28,7 +28,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -235,7 +235,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, seed, p, dropout):
         y = bias_dropout_residual_fwd_op(x, bias, residual, seed, p, dropout)
-        ctx.save_for_backward(seed, bias)  # bias: the parameter its gradient may be written into
+        ctx.save_for_backward(seed, placeable(bias))  # bias: the parameter its gradient may be written into
         ctx.p, ctx.dropout = p, dropout
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y

@@ -40,7 +40,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref, dropout_backward
@@ -384,7 +384,7 @@ class DropoutAddLayerNormFunction(torch.autograd.Function):
             x, x_bias, residual, weight, bias, seed, eps, p, dropout
         )
         # bias and x_bias only as the parameters their gradients may be written into
-        ctx.save_for_backward(new_residual, weight, stats, seed, bias, x_bias)
+        ctx.save_for_backward(new_residual, weight, stats, seed, placeable(bias), placeable(x_bias))
         ctx.p, ctx.dropout = p, dropout
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_bias_dtype = None if x_bias is None else x_bias.dtype

@@ -44,7 +44,7 @@ from lstrain.ops._lib.dropout import (
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, contiguous_or_none, grad_place
+from lstrain.ops._lib.layout import cdiv, contiguous_or_none, grad_place, placeable
 from lstrain.ops._lib.options import float_option, int_option
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
@@ -689,7 +689,7 @@ class EmbeddingFunction(torch.autograd.Function):
         count = ctx.needs_input_grad[1]
         y, counts = embedding_fwd_op(ids, weight, pos_weight, positions, scale, padding_idx, seed, p, count)
         # the tables only as the parameters their gradients may be written into
-        ctx.save_for_backward(ids, positions, seed, counts if count else None, weight, pos_weight)
+        ctx.save_for_backward(ids, positions, seed, counts if count else None, placeable(weight), placeable(pos_weight))
         ctx.tables = (weight.shape[0], weight.dtype, 0 if pos_weight is None else pos_weight.shape[0])
         ctx.pos_dtype = None if pos_weight is None else pos_weight.dtype
         ctx.options = (scale, padding_idx, p, deterministic)
@@ -768,7 +768,8 @@ def embedding(
 
     Returns:
         ``[*tokens.shape, D]`` in weight's dtype; with ``return_table``, ``(that,
-        weight)``, the table a view with weight's values.
+        table)``, the table with weight's values (weight itself where nothing is
+        differentiated).
 
     Raises:
         ValueError: non-integer ids or positions (int64 / int32 only), 0-d tokens, 2**31 or more ids,

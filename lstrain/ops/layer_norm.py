@@ -28,7 +28,7 @@ import triton.language as tl
 from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 
@@ -438,7 +438,7 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps):
         y, stats = layer_norm_fwd_op(x, normalized_shape, weight, bias, eps)
-        ctx.save_for_backward(x, weight, stats, bias)  # bias: the parameter its gradient may be written into
+        ctx.save_for_backward(x, weight, stats, placeable(bias))  # bias: the parameter its gradient may be written into
         ctx.normalized_shape = normalized_shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y

@@ -26,7 +26,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like
+from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = ["QKVProjectionFunction", "pack_heads_grad", "qkv_projection", "qkv_projection_ref"]
@@ -181,7 +181,7 @@ class QKVProjectionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, heads):
-        ctx.save_for_backward(x, weight, bias)  # bias: the parameter its gradient may be written into
+        ctx.save_for_backward(x, weight, placeable(bias))  # bias: the parameter its gradient may be written into
         ctx.bias_dtype = None if bias is None else bias.dtype
         q, k, v = _split(F.linear(x, weight, bias), heads)
         return q, k, v

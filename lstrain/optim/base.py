@@ -470,10 +470,13 @@ class FlatOptimizer(torch.optim.Optimizer):
                 (with a zero gradient if backward gave it none; a ``.grad`` that is None
                 stays None, as torch does). True: torch's semantics: every ``.grad``
                 becomes None and a parameter that backward gives no gradient is skipped by
-                the next step. Backward then writes the gradients lstrain's GEMM backwards
-                compute (weight matrices) straight into the flat buffers
+                the next step. Backward then writes the gradients lstrain's ops compute
+                (weights, biases, norms, embedding tables) straight into the flat buffers
                 (:mod:`lstrain._grad_slots`: no fill, no add, no copy); any other gradient is
                 a new tensor that ``step()`` copies in (one more read and write of it).
+                Unlike torch, a ``.grad`` placed so is a view of the buffer: the next
+                backward after ``zero_grad`` or ``step`` writes over it (clone a gradient
+                you keep across backwards).
         """
         self.flat.reopen_grad_slots()
         if set_to_none:

@@ -4,7 +4,7 @@
 (``p.data`` becomes a view into it) and gives each parameter a ``.grad`` that is a view
 into a matching flat gradient buffer, so backward accumulates straight into it. Each
 parameter's place in the gradient buffer is registered with :mod:`lstrain._grad_slots`:
-after ``zero_grad(set_to_none=True)``, lstrain's GEMM backwards write weight gradients
+after ``zero_grad(set_to_none=True)``, lstrain's backwards write parameter gradients
 there directly and autograd makes those writes the ``.grad`` (no copy, no add). Each
 parameter starts at a block boundary (``BLOCK`` elements), so that one kernel can update
 a dtype's buffer in one launch whatever the number of tensors, and each program reads its

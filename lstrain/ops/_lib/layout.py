@@ -8,7 +8,7 @@ import torch
 
 from lstrain import _grad_slots
 
-__all__ = ["as_rows", "cdiv", "contiguous_or_none", "grad_place", "matmul_like"]
+__all__ = ["as_rows", "cdiv", "contiguous_or_none", "grad_place", "matmul_like", "placeable"]
 
 
 def as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -40,6 +40,14 @@ def grad_place(param: torch.Tensor | None, dtype: torch.dtype | None = None) -> 
     copies nothing, or None (a new tensor; also for no parameter, and under torch.compile).
     Ask only for a gradient the backward returns for ``param`` itself."""
     return None if param is None else _grad_slots.take(param, param.dtype if dtype is None else dtype)
+
+
+def placeable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` where :func:`grad_place` could find it a place (a leaf tensor that requires
+    grad: a parameter), else None: what a forward saves of a tensor it needs in backward
+    only to look that place up, so that a copy (``.contiguous()``, an autocast cast) is
+    not kept alive for nothing."""
+    return t if t is not None and t.is_leaf and t.requires_grad else None
 
 
 def matmul_like(a: torch.Tensor, b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
