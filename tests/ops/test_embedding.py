@@ -6,7 +6,7 @@ import torch
 from hypothesis import example, given
 
 import lstrain
-from lstrain.ops import embedding, embedding_ref
+from lstrain.ops import dropout_mask, embedding, embedding_ref
 from lstrain.ops.embedding import gather_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
@@ -276,7 +276,7 @@ def test_custom_ops_pass_opcheck(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tied_head_meets_the_table_gradient_in_backward(device, deterministic, dtype):
     """``return_table``: the head's gradient of the returned table and the looked-up rows'
-    are one gradient of the table, as autograd's sum of the two uses (one rounding less)."""
+    are one gradient of the table, as plain PyTorch's sum of the two uses."""
     torch.manual_seed(0)
     vocab, dim = 50, 24
     tokens = torch.randint(0, 12, (3, 7), device=device)  # rows 12.. are never looked up
@@ -290,9 +290,13 @@ def test_a_tied_head_meets_the_table_gradient_in_backward(device, deterministic,
     options = {"pos_weight": pos_weight, "scale": 2.0, "dropout": 0.2, "padding_idx": 3, "seed": seed,
                "deterministic": deterministic}  # fmt: skip
 
-    def gradients(return_table):
-        out = embedding(tokens, weight, return_table=return_table, **options)
-        y, table = out if return_table else (out, weight)
+    def gradients(fused):
+        if fused:
+            y, table = embedding(tokens, weight, return_table=True, **options)
+        else:  # plain PyTorch, the same mask: autograd sums the table's two uses
+            mask = dropout_mask(seed, (*tokens.shape, dim), 0.2)
+            y, table = embedding_ref(tokens, weight, pos_weight=pos_weight, scale=2.0, dropout=0.2, padding_idx=3,
+                                     mask=mask), weight  # fmt: skip
         head = head_input @ table.t()
         return torch.autograd.grad((y, head), (weight, pos_weight), (dy, dhead))
 
