@@ -17,7 +17,7 @@ class SwiGLU(lstrain.nn.SwiGLUMLP):
 
     Fused: :func:`lstrain.ops.swiglu_mlp`, SwiGLU in the GEMM epilogues. Unfused: the same
     parameters (the gate and up weights packed in the pair layout of
-    :mod:`lstrain.ops.swiglu`) through ``F.linear``, ``F.silu`` and a product: one GEMM for
+    :mod:`lstrain.ops.swiglu`) through matmuls, ``F.silu`` and a product: one GEMM for
     gate and up together, as a careful PyTorch user packs them, and no copy of the weights.
 
     Args:
@@ -34,7 +34,7 @@ class SwiGLU(lstrain.nn.SwiGLUMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return super().forward(x)
-        h = F.linear(x, self.gate_up_weight)  # [*, 2F], the pair layout
+        h = x @ self.gate_up_weight  # [*, 2F], the pair layout
         features = self.intermediate_size
         whole = features - features % PAIR_BLOCK
         parts = []
@@ -45,7 +45,7 @@ class SwiGLU(lstrain.nn.SwiGLUMLP):
             tail = h[..., 2 * whole :]
             parts.append(F.silu(tail[..., : features - whole]) * tail[..., features - whole :])
         a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return F.linear(a, self.down_weight)
+        return a @ self.down_weight
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fused={self.fused}"

@@ -12,9 +12,11 @@ __all__ = ["SwiGLUMLP"]
 class SwiGLUMLP(torch.nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, bias-free, as in LLaMA.
 
-    The gate and up weights are held as one ``gate_up_weight`` of shape ``[2F, D]`` whose
-    rows are in the pair layout of :mod:`lstrain.ops.swiglu`, but the
-    state_dict uses the familiar keys and shapes: ``gate_proj.weight`` and
+    The weights are held in the ``x @ W`` convention the kernels read fastest: one
+    ``gate_up_weight`` of shape ``[D, 2F]`` whose columns are in the pair layout of
+    :mod:`lstrain.ops.swiglu`, and ``down_weight`` ``[F, D]`` (a ``.t()`` view of either
+    made the forward GEMM K-major, slower, and cost backward a transposing copy of w_down
+    every step). The state_dict uses the familiar keys and shapes: ``gate_proj.weight`` and
     ``up_proj.weight`` ``[F, D]``, ``down_proj.weight`` ``[D, F]`` — checkpoints of
     HF-style MLPs load as they are.
 
@@ -28,16 +30,16 @@ class SwiGLUMLP(torch.nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         bound_in, bound_out = hidden_size**-0.5, intermediate_size**-0.5
-        gate_up = torch.empty(2 * intermediate_size, hidden_size, device=device, dtype=dtype).uniform_(
+        gate_up = torch.empty(hidden_size, 2 * intermediate_size, device=device, dtype=dtype).uniform_(
             -bound_in, bound_in
         )
-        down = torch.empty(hidden_size, intermediate_size, device=device, dtype=dtype).uniform_(-bound_out, bound_out)
+        down = torch.empty(intermediate_size, hidden_size, device=device, dtype=dtype).uniform_(-bound_out, bound_out)
         self.gate_up_weight = torch.nn.Parameter(gate_up)
         self.down_weight = torch.nn.Parameter(down)
         self._register_state_dict_hook(_to_separate_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(x, self.gate_up_weight.t(), self.down_weight.t())
+        return swiglu_mlp(x, self.gate_up_weight, self.down_weight)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
@@ -68,12 +70,12 @@ class SwiGLUMLP(torch.nn.Module):
                 loaded[name] = state_dict.pop(key)
         if "gate_proj.weight" in loaded or "up_proj.weight" in loaded:
             with torch.no_grad():
-                gate, up = unpack_gate_up(self.gate_up_weight.t())
+                gate, up = unpack_gate_up(self.gate_up_weight)
             gate = loaded["gate_proj.weight"].t() if "gate_proj.weight" in loaded else gate.to(loaded["up_proj.weight"])
             up = loaded["up_proj.weight"].t() if "up_proj.weight" in loaded else up.to(gate)
-            state_dict[prefix + "gate_up_weight"] = pack_gate_up(gate, up).t()
+            state_dict[prefix + "gate_up_weight"] = pack_gate_up(gate, up)
         if "down_proj.weight" in loaded:
-            state_dict[prefix + "down_weight"] = loaded["down_proj.weight"]
+            state_dict[prefix + "down_weight"] = loaded["down_proj.weight"].t()
         first_new = len(missing_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -84,7 +86,7 @@ class SwiGLUMLP(torch.nn.Module):
 
 
 def _to_separate_weights(module, state_dict, prefix, local_metadata):
-    gate, up = unpack_gate_up(state_dict.pop(prefix + "gate_up_weight").t())
+    gate, up = unpack_gate_up(state_dict.pop(prefix + "gate_up_weight"))
     state_dict[prefix + "gate_proj.weight"] = gate.t()
     state_dict[prefix + "up_proj.weight"] = up.t()
-    state_dict[prefix + "down_proj.weight"] = state_dict.pop(prefix + "down_weight")
+    state_dict[prefix + "down_proj.weight"] = state_dict.pop(prefix + "down_weight").t()

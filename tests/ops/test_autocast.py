@@ -36,7 +36,7 @@ def test_swiglu_module_with_fp32_parameters():
         y = mlp(x)
     assert y.dtype == AUTOCAST_DTYPE
     expected = ops.swiglu_mlp(
-        x.to(AUTOCAST_DTYPE), mlp.gate_up_weight.t().to(AUTOCAST_DTYPE), mlp.down_weight.t().to(AUTOCAST_DTYPE)
+        x.to(AUTOCAST_DTYPE), mlp.gate_up_weight.to(AUTOCAST_DTYPE), mlp.down_weight.to(AUTOCAST_DTYPE)
     )
     torch.testing.assert_close(y, expected)
     y.float().sum().backward()

@@ -80,7 +80,7 @@ def test_module_loads_and_saves_separate_weights(device, intermediate):
     y = ours(x)
     torch.testing.assert_close(y, theirs(x))
     y.sum().backward()
-    assert x.grad.shape == x.shape and ours.gate_up_weight.grad.shape == (2 * intermediate, 16)
+    assert x.grad.shape == x.shape and ours.gate_up_weight.grad.shape == (16, 2 * intermediate)
     again = _HFStyleMLP(16, intermediate).to(device)
     again.load_state_dict(ours.state_dict())
     torch.testing.assert_close(again(x), theirs(x))
