@@ -5,7 +5,8 @@
 Evidence for the constants of the plan functions (``layer_norm_fwd_plan``,
 ``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``,
 ``gemm_plan``), and where the time of the dropout ops and of the SwiGLU MLP's GEMMs goes
-(beside cuBLAS doing the same products): each kernel alone, one launch
+(beside cuBLAS doing the same products), and an upper bound on what issue 33's pattern A
+could save (``--op norm_epilogue``): each kernel alone, one launch
 captured in a CUDA graph and replayed under ``do_bench`` (L2 flushed, median), at the
 shapes of the targets. Prints the best plans first for each kernel and shape.
 """
@@ -21,6 +22,7 @@ from triton.testing import do_bench
 
 from lstrain._backend import shared_memory_per_program
 from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan, new_seed
+from lstrain.ops.add_rms_norm import add_rms_norm_fwd
 from lstrain.ops.attention_softmax import (
     AttentionSoftmaxPlan,
     attention_softmax_bwd,
@@ -30,7 +32,7 @@ from lstrain.ops.attention_softmax import (
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual_fwd, dropout_bwd
 from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_fwd, cross_entropy_plan, scale_gradient_
 from lstrain.ops.embedding import embedding_bwd, embedding_fwd
-from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan
+from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_fwd_saving_preactivation, gemm_plan
 from lstrain.ops.layer_norm import (
     LayerNormPlan,
     layer_norm_bwd,
@@ -194,10 +196,43 @@ def time_swiglu_kernels() -> None:
         )
 
 
+def time_norm_epilogue() -> None:
+    """Issue 33's pattern A, bounded from above before it is built: at a sublayer's end, the
+    cuBLAS GEMM then ``add_rms_norm`` (five passes over the [tokens, D] stream forward)
+    against lstrain's GEMM whose epilogue reads the residual and writes two outputs, the
+    traffic pattern A's epilogue has (three passes), without its row statistics."""
+    print("== pattern A bound: GEMM0 + residual add + RMSNorm forward (M x K x N)")
+    for name, m, k, n in (("o_proj", 8192, 2048, 2048), ("down_proj", 8192, 5632, 2048)):
+        timings = _norm_epilogue_timings(m, k, n)
+        print(f"   {name} {m}x{k}x{n}: " + ", ".join(f"{key} {us:.1f} us" for key, us in timings.items()))
+
+
+def _norm_epilogue_timings(m: int, k: int, n: int) -> dict[str, float]:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    norm_weight = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def unfused():
+        torch.mm(a, w.t(), out=out)
+        add_rms_norm_fwd(out, residual, (n,), norm_weight, 1e-6)
+
+    return {
+        "cuBLAS": graph_us(lambda: torch.mm(a, w.t(), out=out)),
+        "add_rms_norm": graph_us(lambda: add_rms_norm_fwd(out, residual, (n,), norm_weight, 1e-6)),
+        "cuBLAS + add_rms_norm": graph_us(unfused),
+        "lstrain gemm": graph_us(lambda: gemm_fwd(a, w.t(), None, None, 1.0, 0.0, -1, torch.bfloat16)),
+        "lstrain gemm + residual in, two outputs": graph_us(
+            lambda: gemm_fwd_saving_preactivation(a, w.t(), residual, None, 1.0, 1.0, -1, torch.bfloat16)
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="only vary the pipelining depth of the default plans")
-    choices = ("layer_norm", "attention_softmax", "cross_entropy", "dropout", "gemm", "swiglu_mlp")
+    choices = ("layer_norm", "attention_softmax", "cross_entropy", "dropout", "gemm", "swiglu_mlp", "norm_epilogue")
     parser.add_argument("--op", action="append", choices=choices)
     args = parser.parse_args()
     ops = args.op or choices
@@ -205,6 +240,8 @@ def main() -> None:
         sweep_gemm(args.quick)
     if "swiglu_mlp" in ops:
         time_swiglu_kernels()
+    if "norm_epilogue" in ops:
+        time_norm_epilogue()
     if "cross_entropy" in ops:
         sweep_cross_entropy(args.quick)
     if "dropout" in ops:

@@ -24,13 +24,16 @@ from collections.abc import Iterator
 
 import torch
 import triton
+import triton.language as tl
 
 __all__ = [
     "Backend",
     "backend_for",
+    "dependent_launch",
     "interpreter_active",
     "note",
     "record_backends",
+    "wait_for_producers",
 ]
 
 Backend = str  # "triton" | "interpreter" | "reference"
@@ -124,3 +127,34 @@ def has_async_copy(device_index: int) -> bool:
 def device_index(tensor: torch.Tensor) -> int:
     """CUDA device index of ``tensor``, or -1 for a CPU tensor."""
     return tensor.device.index if tensor.is_cuda else -1
+
+
+@functools.cache
+def _has_dependent_launch(device_index: int) -> bool:
+    return device_index >= 0 and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def dependent_launch(tensor: torch.Tensor) -> dict[str, bool]:
+    """Launch options for a kernel over ``tensor``'s device: on Hopper or newer, a
+    programmatic dependent launch (PDL), whose programs the GPU schedules while the kernel
+    before it drains, instead of after (in a CUDA graph of 16 MB copies: 7.5 against 8.1 us
+    a kernel, H100). The kernel must take ``PDL: tl.constexpr`` and call
+    :func:`wait_for_producers` before it touches memory.
+
+    Args:
+        tensor: the kernel's main input (its device decides).
+
+    Returns:
+        ``{"PDL": on, "launch_pdl": on}``, to pass as ``**options`` to the launch.
+    """
+    on = _has_dependent_launch(device_index(tensor))
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """A kernel's first statement: under a dependent launch, wait until the kernels before
+    it have finished and their writes are visible (it neither reads their outputs nor
+    overwrites their inputs before that)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

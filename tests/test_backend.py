@@ -1,5 +1,9 @@
+import ast
+from pathlib import Path
+
 import torch
 
+import lstrain
 from lstrain import _backend
 from lstrain.ops import layer_norm
 from tests.conftest import DEVICE, EXPECTED_BACKEND
@@ -35,3 +39,46 @@ def test_device_limits():
         assert 48 * 1024 <= _backend.shared_memory_per_program(index) <= _backend.HOPPER_SHARED_MEMORY
         assert _backend.has_tma(index) == (torch.cuda.get_device_capability(index)[0] >= 9)
         assert _backend.has_async_copy(index) == (torch.cuda.get_device_capability(index)[0] >= 8)
+
+
+def _kernel_defs_and_launches() -> tuple[dict[str, ast.FunctionDef], list[tuple[str, str, bool]]]:
+    """Every ``*_kernel`` definition in lstrain, and every launch ``NAME[grid](...)``
+    as (file:line, NAME, whether it passes ``**_backend.dependent_launch(...)``)."""
+    defs, launches = {}, []
+    for path in sorted(Path(lstrain.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                defs[node.name] = node
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                name = getattr(node.func.value, "id", "")
+                if name.endswith("_kernel"):
+                    dependent = any(k.arg is None and "dependent_launch" in ast.unparse(k.value) for k in node.keywords)
+                    launches.append((f"{path.name}:{node.lineno}", name, dependent))
+    return defs, launches
+
+
+def _waits_first(kernel: ast.FunctionDef) -> bool:
+    body = kernel.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return ast.unparse(body[0]) == "wait_for_producers(PDL)"
+
+
+def test_dependent_launches_wait_before_touching_memory():
+    """A kernel launched as a programmatic dependent may start while the kernel before it
+    still writes: it must wait first (``wait_for_producers``), or it races. Every Triton
+    launch in lstrain is dependent (the Gluon cross-entropy kernel aside, launched plainly)."""
+    defs, launches = _kernel_defs_and_launches()
+    assert len(launches) > 30
+    plain = [(where, name) for where, name, dependent in launches if not dependent]
+    assert plain == [(where, name) for where, name in plain if name == "_cross_entropy_resident_kernel"]
+    racing = sorted({name for _, name, dependent in launches if dependent and not _waits_first(defs[name])})
+    assert racing == []
+
+
+def test_dependent_launch_only_where_the_gpu_has_it():
+    options = _backend.dependent_launch(torch.zeros(1, device=DEVICE))
+    index = _backend.device_index(torch.zeros(1, device=DEVICE))
+    expected = index >= 0 and torch.cuda.get_device_capability(index)[0] >= 9
+    assert options == {"PDL": expected, "launch_pdl": expected}

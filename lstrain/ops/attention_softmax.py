@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv
@@ -84,7 +85,9 @@ def _attention_softmax_fwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     RUN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row, row_ok, b, h, q = _row_coordinates(rows, heads, q_len, BLOCK_ROWS)
     col = tl.arange(0, BLOCK_COLS)
     in_bounds = row_ok[:, None] & (col < k_len)[None, :]
@@ -135,7 +138,9 @@ def _attention_softmax_bwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     RUN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.arange(0, BLOCK_COLS)
     in_bounds = (row < rows)[:, None] & (col < k_len)[None, :]
@@ -220,6 +225,7 @@ def attention_softmax_fwd(
         BLOCK_COLS=plan.block_cols,
         RUN=16 // scores.element_size(),
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(scores),
     )  # fmt: skip
     return y
 
@@ -248,6 +254,7 @@ def attention_softmax_bwd(
         BLOCK_COLS=plan.block_cols,
         RUN=16 // y.element_size(),
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(y),
     )  # fmt: skip
     return dx
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.activations import ACTIVATIONS, activation_ref, apply_activation
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import (
@@ -56,7 +57,9 @@ def _bias_act_dropout_fwd_kernel(
     DROPOUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (row < rows)[:, None] & (col < cols)[None, :]
@@ -118,7 +121,9 @@ def _bias_act_dropout_bwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     group = tl.program_id(1)
     groups = tl.num_programs(1)
@@ -164,6 +169,7 @@ def bias_act_dropout_fwd(
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x2d),
     )  # fmt: skip
     return y
 
@@ -210,6 +216,7 @@ def bias_act_dropout_bwd(
         BLOCK_COLS=plan.block_cols,
         NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x2d),
     )  # fmt: skip
     if bias_grad:
         sum_partials(partials, grads[1:])

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import (
     apply_dropout,
@@ -89,7 +90,9 @@ def _dropout_add_layer_norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = row < rows
     col = tl.arange(0, BLOCK_COLS)
@@ -148,9 +151,11 @@ def _dropout_add_layer_norm_bwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """dresidual = LayerNorm's dx + dnew_residual; dx = dresidual * mask / (1 - p); per-program
     column sums of dnormed * x_hat, dnormed and dx into their partials rows."""
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     inv_cols = tl.cast(inv_cols, tl.float32)
@@ -239,6 +244,7 @@ def dropout_add_layer_norm_fwd(
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x2d),
     )  # fmt: skip
     return normed, new_residual, stats
 
@@ -319,6 +325,7 @@ def dropout_add_layer_norm_bwd(
         # As LayerNorm's backward: without contraction, dy * w - c2 is exactly 0 where x
         # equals its row mean; an FMA would leave the product's rounding error there.
         enable_fp_fusion=False,
+        **_backend.dependent_launch(new_residual),
     )  # fmt: skip
     if params:
         sum_partials(partials, params)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import (
     ElementwisePlan,
@@ -88,9 +89,11 @@ def _embedding_fwd_kernel(
     COUNT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y rows of BLOCK_TOKENS tokens; with COUNT also the backward's per-row counts of the
     token table, while the ids are at hand (the first column block counts)."""
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     col = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
     token_ok = token < tokens
@@ -144,9 +147,19 @@ def _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, DROPOUT: tl.const
 
 
 @triton.jit(do_not_specialize=["rows", "padding_idx"])
-def _count_kernel(ids_ptr, count_ptr, owner_ptr, tokens, rows, padding_idx, BLOCK: tl.constexpr):
+def _count_kernel(
+    ids_ptr,
+    count_ptr,
+    owner_ptr,
+    tokens,
+    rows,
+    padding_idx,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Per-row counts of a table looked up at ``ids`` (see :func:`_count_ids`); padding
     and out-of-range ids are not counted."""
+    wait_for_producers(PDL)
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + token, mask=token < tokens, other=-1).to(tl.int64)
     _count_ids(ids, token, (token < tokens) & (ids >= 0) & (ids < rows) & (ids != padding_idx), count_ptr, owner_ptr)
@@ -250,10 +263,12 @@ def _scatter_kernel(
     DROPOUT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Phases 1 and 2 of the atomic backward (see :func:`_scatter_phase`). A kernel of its
     own rather than a role of :func:`_first_pass_kernel`: its launches take 14 arguments
     instead of 19, and a Triton launch's host time grows with its arguments."""
+    wait_for_producers(PDL)
     _scatter_phase(
         dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, base_ptr, seed_ptr, tl.program_id(0), tokens, dim,
         rows, padding_idx, scale, p, PHASE, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
@@ -343,6 +358,7 @@ def _first_pass_kernel(
     DROPOUT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """All of the backward that needs no more than the counts, in one launch (each launch
     fewer saves host time): programs [0, scatter_programs) run phase 0 of the
@@ -350,6 +366,7 @@ def _first_pass_kernel(
     ``base`` rows with HAS_BASE), and the rest sum
     one position-table row each (positions from the token index). The constexpr flags
     leave out the roles a launch has no programs (and maybe no pointers) for."""
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     if pid < scatter_programs:
         if SCATTER:
@@ -408,6 +425,7 @@ def _run_sum_kernel(
     CHUNK: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The deterministic backward, over the stably sorted ids, where a row's tokens form a
     run in token order. A run is cut into chunks of CHUNK places, each summed by the
@@ -416,6 +434,7 @@ def _run_sum_kernel(
     directly, a longer one as fp32 partial sums, which the COMBINE launch adds up in
     chunk order. Every sum has a fixed order: the same bits on every run. With HAS_BASE a
     row written is its ``base`` row plus its sum, rounded once."""
+    wait_for_producers(PDL)
     i = tl.program_id(0)
     row = tl.load(sorted_ids_ptr + i).to(tl.int64) + key_offset
     start = tl.load(run_start_ptr + i)
@@ -490,6 +509,7 @@ def embedding_fwd(
         BLOCK_TOKENS=plan.block_rows,
         BLOCK_DIM=plan.block_cols,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(flat),
     )  # fmt: skip
     return y, counts
 
@@ -515,6 +535,7 @@ def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, s
         POSITIONS=pos_table is not None, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows,
         BLOCK_DIM=tiles.block_cols,
         num_warps=tiles.num_warps,
+        **_backend.dependent_launch(dy),
     )  # fmt: skip
 
 
@@ -531,7 +552,9 @@ def _table_gradient(
     if counts is None:
         counts = torch.zeros((2, rows), dtype=torch.int32, device=dy.device)
         if tokens:
-            _count_kernel[(cdiv(tokens, 256),)](ids, *counts, tokens, rows, padding_idx, BLOCK=256)
+            _count_kernel[(cdiv(tokens, 256),)](
+                ids, *counts, tokens, rows, padding_idx, BLOCK=256, **_backend.dependent_launch(ids)
+            )
     atomic = not deterministic and tokens > 0
     # fp64 sums for an fp32 table: in any order of the atomic adds, one rounding at the end
     # (in fp32, 408 adds into one row erred by 7.7e-6 where torch's sorted sum erred by 1e-6)
@@ -547,6 +570,7 @@ def _table_gradient(
                 dy, ids, *counts, sums, table, base, seed, tokens, dim, rows, padding_idx, scale, p,
                 PHASE=phase, HAS_BASE=base is not None, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows,
                 BLOCK_DIM=tiles.block_cols, num_warps=tiles.num_warps,
+                **_backend.dependent_launch(dy),
             )  # fmt: skip
         return table
     # The narrowest keys that hold [-1, rows] (bad ids clamped out of every row) sort in the
@@ -563,6 +587,7 @@ def _table_gradient(
             padding_idx, scale, p,
             COMBINE=combine, HAS_BASE=base is not None, DROPOUT=seed is not None, CHUNK=_RUN_CHUNK,
             BLOCK_TOKENS=plan.block_rows, BLOCK_DIM=plan.block_cols, num_warps=plan.num_warps,
+            **_backend.dependent_launch(dy),
         )  # fmt: skip
     return table
 

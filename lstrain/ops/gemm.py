@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.activations import (
     ACTIVATIONS,
     activation_index,
@@ -298,6 +299,7 @@ def _gemm_kernel(
     PERSISTENT: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr,
     STORE_Z: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """D = act(alpha * (a @ b) + beta * c + bias), and its pre-activation where STORE_Z.
     PERSISTENT (N a multiple of BLOCK_N): each program loops over tiles, the tile loop
@@ -306,6 +308,7 @@ def _gemm_kernel(
     asynchronous copies (see ``mainloop``'s MASK_N).
     SPLIT_EPILOGUE: the epilogue in two column halves, which keeps erf's temporaries to
     half a tile: faster for gelu; gelu_tanh and silu were slower in halves."""
+    wait_for_producers(PDL)
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
@@ -341,9 +344,11 @@ def _split_k_partial_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """fp32 partial products of one K chunk per program: program ``s * tiles + t`` writes
     A[tile t's rows, chunk s] @ B[chunk s, tile t's columns] to partials[s]."""
+    wait_for_producers(PDL)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     split = tl.program_id(0) // tiles
     pid_m, pid_n = tile_ids(tl.program_id(0) % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -381,9 +386,11 @@ def _split_k_epilogue_kernel(
     STORE_Z: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """D = act(alpha * sum of the partials + beta * C + bias); the partials are summed in
     split order, so D does not depend on which program finished first."""
+    wait_for_producers(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -529,6 +536,7 @@ def _launch(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan, persistent: b
         STORE_Z=z is not None,
         num_warps=plan.num_warps,
         num_stages=plan.stages(persistent),
+        **_backend.dependent_launch(a),
     )  # fmt: skip
 
 
@@ -545,12 +553,14 @@ def _launch_split_k(a, b, c, bias, d, z, alpha, beta, act, plan: GemmPlan) -> No
         a, b, partials, m, n, k, k_chunk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         IEEE=a.dtype == torch.float32, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         GROUP_M=plan.group_m, B_K_MAJOR=k_major(b), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **_backend.dependent_launch(a),
     )  # fmt: skip
     _split_k_epilogue_kernel[(cdiv(m, 64), cdiv(n, 128))](
         partials, c, bias, d, z, m, n,
         0 if c is None else c.stride(0), 0 if c is None else c.stride(1), d.stride(0), alpha, beta,
         SPLITS=splits, HAS_C=c is not None, HAS_BIAS=bias is not None, ACT=act, STORE_Z=z is not None, BLOCK_M=64,
         BLOCK_N=128, num_warps=4,
+        **_backend.dependent_launch(partials),
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
@@ -91,7 +92,9 @@ def _layer_norm_fwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = row < rows
     col = tl.arange(0, BLOCK_COLS)
@@ -163,7 +166,9 @@ def _layer_norm_bwd_kernel(
     BLOCK_COLS: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     inv_cols = tl.cast(inv_cols, tl.float32)
     programs = tl.num_programs(0)
@@ -334,6 +339,7 @@ def layer_norm_fwd(
         BLOCK_COLS=plan.block_cols,
         SINGLE_TILE=plan.single_tile,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x2d),
     )  # fmt: skip
     return y, stats
 
@@ -394,6 +400,7 @@ def layer_norm_bwd(
         # Without contraction, dy * w - c2 is exactly 0 where x equals its row mean
         # (e.g. a single column); an FMA would leave the product's rounding error there.
         enable_fp_fusion=False,
+        **_backend.dependent_launch(x2d),
     )  # fmt: skip
     if outputs:
         sum_partials(partials, grads[1:])

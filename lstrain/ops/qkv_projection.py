@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
@@ -58,10 +59,12 @@ def _pack_heads_grad_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (column block, part, walker) copies columns of dq / dk / dv (``part`` 0 / 1
     / 2; last dim contiguous) into dqkv[:, part * dim + col] over the walker's row tiles,
     and writes its column sums (fp32) to ``partial[walker, part * dim + col]``."""
+    wait_for_producers(PDL)
     # A column block lies within one head (BLOCK_COLS divides head_dim): its source
     # columns are one contiguous run, which Triton vectorizes.
     first_col = tl.program_id(0) * BLOCK_COLS
@@ -152,6 +155,7 @@ def pack_heads_grad(
         BLOCK_COLS=plan.block_cols,
         NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(dq),
     )  # fmt: skip
     if bias_grad:
         sum_partials(partials, [grads[1]])

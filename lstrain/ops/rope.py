@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv
@@ -96,7 +97,9 @@ def _rope_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_SEQ: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     # A program turns BLOCK_HEADS heads at BLOCK_SEQ positions: the positions' cos and sin
     # rows, loaded once, serve every head of the block. Without ROTATE it copies them (v's
     # gradient into the packed one: the same strided tiles, none of the tables).
@@ -192,6 +195,7 @@ def _launch(x, cos, sin, out, interleaved: bool, backward: bool, rotate: bool = 
         BLOCK_SEQ=plan.block_seq,
         BLOCK_HALF=plan.block_half,
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x),
     )  # fmt: skip
 
 

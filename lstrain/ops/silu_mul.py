@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import elementwise_plan
@@ -45,8 +46,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _silu_mul_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, rows, cols, gate_row_stride, up_row_stride, BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (row < rows)[:, None] & (col < cols)[None, :]
@@ -61,7 +63,9 @@ def _silu_mul_fwd_kernel(
 def _silu_mul_bwd_kernel(
     dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, product_ptr, rows, cols, dout_row_stride, gate_row_stride,
     up_row_stride, STORE_PRODUCT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (row < rows)[:, None] & (col < cols)[None, :]
@@ -88,6 +92,7 @@ def silu_mul_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_mul_fwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
             gate2d, up2d, out, rows, cols, gate2d.stride(0), up2d.stride(0),
             BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
+            **_backend.dependent_launch(gate2d),
         )  # fmt: skip
     return out
 
@@ -113,6 +118,7 @@ def silu_mul_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, store
             # or the 4096-element tile spills (255 registers with the product, 4 warps)
             STORE_PRODUCT=store_product, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
             num_warps=2 * plan.num_warps,
+            **_backend.dependent_launch(dout2d),
         )  # fmt: skip
     return outputs
 

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
@@ -232,6 +233,7 @@ def _swiglu_fwd_kernel(
     PERSISTENT: tl.constexpr,
     STORE_H: tl.constexpr,
     H_TMA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """h = x @ w_gate_up and a over units [first_unit, first_unit + units_here): whole pair
     blocks, or (TAIL) the last, partial one. B_K_MAJOR: w_gate_up is contiguous along K (see
@@ -239,6 +241,7 @@ def _swiglu_fwd_kernel(
     into the K loop so that the next tile's loads start during this tile's epilogue (whole
     pair blocks only: the other tiles' column masks would leave B's loads synchronous).
     STORE_H, H_TMA: see :func:`_swiglu_fwd_tile`."""
+    wait_for_producers(PDL)
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, BLOCK_F)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
@@ -321,6 +324,7 @@ def _swiglu_bwd_kernel(
     GROUP_M: tl.constexpr,
     QUARTERS: tl.constexpr,
     DH_TMA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
     epilogue into dgate and dup. dh may be h itself: each tile is read before it is written.
@@ -328,6 +332,7 @@ def _swiglu_bwd_kernel(
     A program owns 2 * BLOCK_F units: the mainloop runs at twice the width the epilogue
     can hold in registers (it needs gate and up beside dA), so the epilogue takes one half
     at a time."""
+    wait_for_producers(PDL)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, 2 * BLOCK_F)
     # Persistent programs: flattening the tile loop into the K loop lets the next tile's
     # loads start while this tile's epilogue runs.
@@ -447,6 +452,7 @@ def swiglu_fwd(
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent, STORE_H=store_h, H_TMA=h_desc is not None,
             num_warps=plan.num_warps, num_stages=plan.stages(persistent),
+            **_backend.dependent_launch(x2d),
         )  # fmt: skip
     return a, h
 
@@ -496,6 +502,7 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
             TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             DH_TMA=dh_desc is not None, num_warps=plan.num_warps, num_stages=plan.stages(True),
+            **_backend.dependent_launch(dy2d),
         )  # fmt: skip
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
 from lstrain.optim.flat import BLOCK
 from lstrain.optim.rounding import rounding_key
@@ -34,7 +36,16 @@ SCALARS = 8  # step size, sqrt(bias correction 2), shrink, coupled decay, 1 - be
 
 
 @triton.jit
-def _adamw_scalars_kernel(hyper_ptr, step_ptr, slot_group_ptr, scalars_ptr, slots, groups, BLOCK_SLOTS: tl.constexpr):
+def _adamw_scalars_kernel(
+    hyper_ptr,
+    step_ptr,
+    slot_group_ptr,
+    scalars_ptr,
+    slots,
+    groups,
+    BLOCK_SLOTS: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Each parameter's per-step scalars from its group's hyperparameters and its step count.
 
     fp64 and rounded once, as torch computes them on the host in Python floats: 1 - beta2**step
@@ -42,6 +53,7 @@ def _adamw_scalars_kernel(hyper_ptr, step_ptr, slot_group_ptr, scalars_ptr, slot
     steps. Once per parameter here, not in each of the update's threads, whose fp64 work
     otherwise bounds the update (the fp64 pipe runs at half the fp32 rate).
     """
+    wait_for_producers(PDL)
     slot = tl.program_id(0) * BLOCK_SLOTS + tl.arange(0, BLOCK_SLOTS)
     ok = slot < slots
     group = tl.load(slot_group_ptr + slot, mask=ok, other=0)
@@ -88,7 +100,9 @@ def _adamw_kernel(
     ROUND_WEIGHT: tl.constexpr,
     ROUND_STATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     slot = tl.load(block_slot_ptr + pid)
     step_size = tl.load(scalars_ptr + slot)
@@ -250,6 +264,7 @@ class FusedAdamW(FlatOptimizer):
         _adamw_scalars_kernel[(triton.cdiv(slots, 128),)](
             self._hyper, self._steps[index], buffer.slot_group, scalars, slots, len(self.param_groups),
             BLOCK_SLOTS=128, num_warps=4,
+            **_backend.dependent_launch(self._hyper),
         )  # fmt: skip
         return scalars
 
@@ -265,4 +280,5 @@ class FusedAdamW(FlatOptimizer):
             BLOCK=BLOCK,
             num_warps=4,
             **self._rounding[index],
+            **_backend.dependent_launch(buffer.data),
         )  # fmt: skip

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, adopt_grads
 from lstrain.optim.rounding import random_halves, round_to_bf16
 
@@ -105,8 +106,16 @@ def store_state(
 
 @triton.jit
 def _sum_squares_kernel(
-    grad_ptr, block_slot_ptr, active_ptr, partial_ptr, blocks, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr
+    grad_ptr,
+    block_slot_ptr,
+    active_ptr,
+    partial_ptr,
+    blocks,
+    BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     # One fp32 partial per block, summed by torch afterwards: deterministic, no atomics.
     # Several blocks per program: their loads are in flight together behind one chain of
     # slot -> flag loads (a block per program left the memory system a third idle).
@@ -128,7 +137,15 @@ def sum_squares(grad: torch.Tensor, block_slot: torch.Tensor, active: torch.Tens
     fp32 (0 for a block whose parameter has no gradient: ``active[block_slot[b]]`` 0)."""
     blocks = partials.numel()
     _sum_squares_kernel[(triton.cdiv(blocks, _SUM_SQUARES_BLOCKS),)](
-        grad, block_slot, active, partials, blocks, BLOCK=BLOCK, BLOCKS_PER_PROGRAM=_SUM_SQUARES_BLOCKS, num_warps=4
+        grad,
+        block_slot,
+        active,
+        partials,
+        blocks,
+        BLOCK=BLOCK,
+        BLOCKS_PER_PROGRAM=_SUM_SQUARES_BLOCKS,
+        num_warps=4,
+        **_backend.dependent_launch(grad),
     )
 
 

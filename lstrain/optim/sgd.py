@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
 from lstrain.optim.flat import BLOCK
 from lstrain.optim.rounding import rounding_key
@@ -40,7 +42,9 @@ def _sgd_kernel(
     ROUND_WEIGHT: tl.constexpr,
     ROUND_STATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     group = tl.load(block_group_ptr + pid)
     slot = tl.load(block_slot_ptr + pid)
@@ -168,4 +172,5 @@ class FusedSGD(FlatOptimizer):
             BLOCK=BLOCK,
             num_warps=4,
             **self._rounding[index],
+            **_backend.dependent_launch(buffer.data),
         )  # fmt: skip

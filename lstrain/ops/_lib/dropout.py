@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.layout import cdiv
 from lstrain.ops._lib.options import float_option
 
@@ -64,7 +65,8 @@ def apply_dropout(v, keep, p):
 
 
 @triton.jit
-def _dropout_mask_kernel(seed_ptr, mask_ptr, cols, p, BLOCK_COLS: tl.constexpr):
+def _dropout_mask_kernel(seed_ptr, mask_ptr, cols, p, BLOCK_COLS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
     first_col = tl.program_id(1) * BLOCK_COLS
     col = first_col + tl.arange(0, BLOCK_COLS)
@@ -161,7 +163,7 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
         cols = shape[-1]
         block_cols = elementwise_plan(cols).block_cols
         grid = (mask.numel() // cols, cdiv(cols, block_cols))
-        _dropout_mask_kernel[grid](seed, mask, cols, p, BLOCK_COLS=block_cols)
+        _dropout_mask_kernel[grid](seed, mask, cols, p, BLOCK_COLS=block_cols, **_backend.dependent_launch(seed))
     return mask.bool()
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.layout import cdiv
 
 __all__ = ["sum_partials"]
@@ -28,12 +30,14 @@ def _column_sum_kernel(
     cols,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Sum [outputs, programs, cols] fp32 partials over programs; output 1, 2 or 3 on axis 1.
 
     Narrow column slices give enough programs to fill the GPU; the loop is pipelined so
     that its few iterations do not wait on each other's loads.
     """
+    wait_for_producers(PDL)
     which = tl.program_id(1)
     col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = col < cols
@@ -64,4 +68,5 @@ def sum_partials(partials: torch.Tensor, outputs: Sequence[torch.Tensor]) -> Non
     _column_sum_kernel[(cdiv(cols, 16), count)](
         partials, outputs[0], outputs[min(1, count - 1)], outputs[-1], programs, cols,
         BLOCK_ROWS=256, BLOCK_COLS=16, num_warps=4,
+        **_backend.dependent_launch(partials),
     )  # fmt: skip

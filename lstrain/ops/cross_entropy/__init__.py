@@ -132,6 +132,7 @@ def cross_entropy_fwd(
         MEAN=grad_scale == "mean",
         **launch_layout(x, plan, aligned),
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x),
     )  # fmt: skip
     return loss, stats
 
@@ -161,6 +162,7 @@ def cross_entropy_bwd(
         HAS_Z_LOSS=z_loss > 0,
         **launch_layout(x, plan, aligned),
         num_warps=plan.num_warps,
+        **_backend.dependent_launch(x),
     )  # fmt: skip
     return grad
 

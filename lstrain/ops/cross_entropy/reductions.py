@@ -9,12 +9,22 @@ import triton
 import triton.language as tl
 
 from lstrain import _backend
+from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.layout import cdiv
 
 
 @triton.jit
-def _scale_kernel(grad_ptr, out_ptr, grad_output_ptr, elements, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(
+    grad_ptr,
+    out_ptr,
+    grad_output_ptr,
+    elements,
+    IN_PLACE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """out = grad * grad_output; IN_PLACE (out is grad): loops zero times when grad_output == 1."""
+    wait_for_producers(PDL)
     factor = tl.load(grad_output_ptr).to(tl.float32)
     end = tl.cast(elements, tl.int64)
     if IN_PLACE:
@@ -29,9 +39,17 @@ def _scale_kernel(grad_ptr, out_ptr, grad_output_ptr, elements, IN_PLACE: tl.con
 
 
 @triton.jit(do_not_specialize=["ignore_index"])
-def _count_kept_kernel(target_ptr, count_ptr, rows, ignore_index, BLOCK: tl.constexpr):
+def _count_kept_kernel(
+    target_ptr,
+    count_ptr,
+    rows,
+    ignore_index,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """How many targets are not ignore_index, by one program (the counts are small: one
     launch instead of torch's comparison and sum)."""
+    wait_for_producers(PDL)
     count = tl.zeros([BLOCK], dtype=tl.int32)
     for first in range(0, rows, BLOCK):
         idx = first + tl.arange(0, BLOCK)
@@ -40,9 +58,18 @@ def _count_kept_kernel(target_ptr, count_ptr, rows, ignore_index, BLOCK: tl.cons
 
 
 @triton.jit
-def _reduce_loss_kernel(loss_ptr, count_ptr, out_ptr, rows, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_loss_kernel(
+    loss_ptr,
+    count_ptr,
+    out_ptr,
+    rows,
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """The sum of the per-row losses (over the count for a mean), cast to the output's dtype,
     by one program in a fixed order (one launch instead of a sum, a division and a cast)."""
+    wait_for_producers(PDL)
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for first in range(0, rows, BLOCK):
         idx = first + tl.arange(0, BLOCK)
@@ -65,7 +92,16 @@ def launch_scale(grad: torch.Tensor, out: torch.Tensor, grad_output: torch.Tenso
         return
     sms = _backend.multiprocessor_count(_backend.device_index(grad))
     programs = max(1, min(cdiv(elements, 4096), 4 * sms))
-    _scale_kernel[(programs,)](grad, out, grad_output, elements, IN_PLACE=out is grad, BLOCK=4096, num_warps=8)
+    _scale_kernel[(programs,)](
+        grad,
+        out,
+        grad_output,
+        elements,
+        IN_PLACE=out is grad,
+        BLOCK=4096,
+        num_warps=8,
+        **_backend.dependent_launch(grad),
+    )
 
 
 def count_kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -75,7 +111,9 @@ def count_kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         return (target != ignore_index).sum()
     flat = target.reshape(-1).contiguous()
     count = torch.empty((), dtype=torch.int32, device=target.device)
-    _count_kept_kernel[(1,)](flat, count, flat.numel(), ignore_index, BLOCK=4096, num_warps=8)
+    _count_kept_kernel[(1,)](
+        flat, count, flat.numel(), ignore_index, BLOCK=4096, num_warps=8, **_backend.dependent_launch(flat)
+    )
     return count
 
 
@@ -87,5 +125,14 @@ def reduce_row_losses(loss: torch.Tensor, count: torch.Tensor | None, dtype: tor
         total = loss.sum()
         return total / count if count is not None else total
     out = torch.empty((), dtype=dtype, device=loss.device)
-    _reduce_loss_kernel[(1,)](loss, count, out, loss.numel(), MEAN=count is not None, BLOCK=4096, num_warps=8)
+    _reduce_loss_kernel[(1,)](
+        loss,
+        count,
+        out,
+        loss.numel(),
+        MEAN=count is not None,
+        BLOCK=4096,
+        num_warps=8,
+        **_backend.dependent_launch(loss),
+    )
     return out

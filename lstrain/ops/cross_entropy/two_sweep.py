@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lstrain._backend import wait_for_producers
 from lstrain.ops.cross_entropy.row_math import (
     _chunk_stats,
     _exp,
@@ -42,7 +43,9 @@ def _cross_entropy_fwd_kernel(
     ALIGNED: tl.constexpr,
     LANES: tl.constexpr,
     RUN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     CHUNK: tl.constexpr = LANES * RUN
     row = tl.program_id(0).to(tl.int64)
     smoothing = tl.cast(smoothing, tl.float32)
@@ -125,8 +128,10 @@ def _cross_entropy_bwd_kernel(
     ALIGNED: tl.constexpr,
     LANES: tl.constexpr,
     RUN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Gradient of the unreduced loss: row i scaled by grad_output[i]."""
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(target_ptr + row).to(tl.int64)
     ignored = target == ignore_index
