@@ -157,8 +157,9 @@ def _padded_weight(weight: torch.Tensor) -> torch.Tensor:
     padded = cdiv(vocab, _LOGITS_ROW_ALIGNMENT) * _LOGITS_ROW_ALIGNMENT
     if padded == vocab or torch.compiler.is_compiling():
         return weight
-    out = weight.new_zeros((padded, weight.shape[1]))
+    out = weight.new_empty((padded, weight.shape[1]))
     out[:vocab] = weight
+    out[vocab:] = 0  # only the padding rows: zeroing all of them first would write the table twice
     return out
 
 
