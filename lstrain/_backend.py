@@ -130,8 +130,9 @@ def device_index(tensor: torch.Tensor) -> int:
 
 
 @functools.cache
-def _has_dependent_launch(device_index: int) -> bool:
-    return device_index >= 0 and torch.cuda.get_device_capability(device_index)[0] >= 9
+def _launch_options(device_index: int) -> dict[str, bool]:
+    on = not _INTERPRETED and device_index >= 0 and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return {"PDL": on, "launch_pdl": on}
 
 
 def dependent_launch(tensor: torch.Tensor) -> dict[str, bool]:
@@ -140,16 +141,16 @@ def dependent_launch(tensor: torch.Tensor) -> dict[str, bool]:
     before it drains, instead of after (in a CUDA graph of 16 MB copies: 7.5 against 8.1 us
     a kernel, H100); never under the interpreter, which runs no ``griddepcontrol``. The
     kernel must take ``PDL: tl.constexpr`` and call :func:`wait_for_producers` before it
-    touches memory.
+    touches memory. One cached lookup per launch (launchers are hot).
 
     Args:
         tensor: the kernel's main input (its device decides).
 
     Returns:
-        ``{"PDL": on, "launch_pdl": on}``, to pass as ``**options`` to the launch.
+        ``{"PDL": on, "launch_pdl": on}``, shared between calls: pass it as ``**options``
+        to the launch, never modify it.
     """
-    on = not interpreter_active() and _has_dependent_launch(device_index(tensor))
-    return {"PDL": on, "launch_pdl": on}
+    return _launch_options(tensor.get_device())
 
 
 @triton.jit

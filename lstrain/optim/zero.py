@@ -266,7 +266,7 @@ class ZeroAdamW(FusedAdamW):
             BLOCK=BLOCK,
             num_warps=4,
             **self._rounding[index],
-            **_backend.dependent_launch(buffer.data[start:end]),
+            **_backend.dependent_launch(buffer.data),
         )  # fmt: skip
         _all_gather(buffer.data, buffer.data[start:end], group=self.process_group)
         # the gather writes the parameters in place: not a write from outside
