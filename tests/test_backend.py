@@ -49,6 +49,8 @@ def _kernel_defs_and_launches() -> tuple[dict[str, ast.FunctionDef], list[tuple[
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                # launches are matched to definitions by name: two kernels of one name could hide a race
+                assert node.name not in defs, f"two kernels named {node.name}: {path.name}"
                 defs[node.name] = node
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
                 name = getattr(node.func.value, "id", "")

@@ -71,11 +71,16 @@ class SwiGLUMLP(torch.nn.Module):
         if "gate_proj.weight" in loaded or "up_proj.weight" in loaded:
             with torch.no_grad():
                 gate, up = unpack_gate_up(self.gate_up_weight)
-            gate = loaded["gate_proj.weight"].t() if "gate_proj.weight" in loaded else gate.to(loaded["up_proj.weight"])
-            up = loaded["up_proj.weight"].t() if "up_proj.weight" in loaded else up.to(gate)
+            # the half not in the checkpoint keeps its values: the loaded half takes its dtype
+            if "gate_proj.weight" in loaded:
+                gate = loaded["gate_proj.weight"].t().to(gate)
+            if "up_proj.weight" in loaded:
+                up = loaded["up_proj.weight"].t().to(up)
             state_dict[prefix + "gate_up_weight"] = pack_gate_up(gate, up)
         if "down_proj.weight" in loaded:
-            state_dict[prefix + "down_weight"] = loaded["down_proj.weight"].t()
+            # contiguous: load_state_dict(assign=True) would otherwise make the parameter a
+            # transposed view, which swiglu_mlp's backward copies every step
+            state_dict[prefix + "down_weight"] = loaded["down_proj.weight"].t().contiguous()
         first_new = len(missing_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -429,8 +429,9 @@ def swiglu_fwd(
     tile's epilogue), at most 3 stages; their h leaves through a TMA descriptor where rows
     are 16-byte aligned. Both measured faster (docs/notes/swiglu.md).
 
-    w_gate_up may have any strides; contiguous along K (the ``.t()`` of a [2F, D] weight)
-    it takes the mainloop's K-major count, as gemm does."""
+    w_gate_up may have any strides (``SwiGLUMLP`` passes its row-major [D, 2F] parameter);
+    contiguous along K (the ``.t()`` of a [2F, D] matrix) it takes the mainloop's K-major
+    count, as gemm does."""
     m, k = x2d.shape
     f = w_gate_up.shape[1] // 2
     a = torch.empty((m, f), dtype=x2d.dtype, device=x2d.device)
@@ -472,7 +473,8 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
     as well, and prefetching h into L2, lost (docs/notes/swiglu.md).
 
     dy and w_down are made contiguous first (a copy only when they are not, as for a
-    ``.t()`` view of a [D, F] weight): w_down^T is then contiguous along K. Contiguous
+    ``.t()`` view of a [D, F] matrix; ``SwiGLUMLP``'s [F, D] parameter is contiguous):
+    w_down^T is then contiguous along K. Contiguous
     along N instead, its unit mask (carried as a loop value through the flattened loop)
     hides that contiguity from Triton 3.6's pipeliner, whose TTGIR keeps the load
     synchronous every K step (the forward kernel flattened with such an operand ran 2.4x

@@ -1,6 +1,6 @@
-"""Weight gradients reach autograd's accumulation in the parameter's own layout: the modules
-pass ``weight.t()`` views to their ops, and a transposed gradient would make the add into
-``.grad`` (or into a flat optimizer's gradient buffer) a strided one."""
+"""Weight gradients reach autograd's accumulation in the parameter's own layout: where a
+module hands its op a ``weight.t()`` view (Linear), a transposed gradient would make the add
+into ``.grad`` (or into a flat optimizer's gradient buffer) a strided one."""
 
 import pytest
 import torch

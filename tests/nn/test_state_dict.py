@@ -101,3 +101,22 @@ def test_size_mismatch_reported_as_torch_does(device, pair):
     with pytest.raises(RuntimeError) as their_error:
         make_theirs(device).load_state_dict(checkpoint)
     assert _messages(our_error.value) == _messages(their_error.value)
+
+
+def test_swiglu_assign_load_keeps_the_down_weight_contiguous(device):
+    module = lstrain.nn.SwiGLUMLP(4, 6, device=device)
+    source = _HFStyleMLP(4, 6, device=device)
+    module.load_state_dict(source.state_dict(), assign=True)
+    assert module.down_weight.is_contiguous()
+    torch.testing.assert_close(module.down_weight, source.down_proj.weight.t(), rtol=0, atol=0)
+
+
+def test_swiglu_partial_load_keeps_the_other_half_exactly(device):
+    torch.manual_seed(0)
+    module = lstrain.nn.SwiGLUMLP(4, 6, device=device)
+    gate_before = module.state_dict()["gate_proj.weight"].clone()
+    up = torch.randn(6, 4, device=device, dtype=torch.bfloat16)
+    module.load_state_dict({"up_proj.weight": up}, strict=False)
+    state = module.state_dict()
+    torch.testing.assert_close(state["gate_proj.weight"], gate_before, rtol=0, atol=0)
+    torch.testing.assert_close(state["up_proj.weight"], up.float(), rtol=0, atol=0)
