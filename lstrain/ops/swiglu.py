@@ -474,11 +474,10 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
 
     dy and w_down are made contiguous first (a copy only when they are not, as for a
     ``.t()`` view of a [D, F] matrix; ``SwiGLUMLP``'s [F, D] parameter is contiguous):
-    w_down^T is then contiguous along K. Contiguous
-    along N instead, its unit mask (carried as a loop value through the flattened loop)
-    hides that contiguity from Triton 3.6's pipeliner, whose TTGIR keeps the load
-    synchronous every K step (the forward kernel flattened with such an operand ran 2.4x
-    slower).
+    w_down^T is then contiguous along K. Contiguous along N instead, its unit mask (carried
+    as a loop value through the flattened loop) hides that contiguity from Triton 3.6's
+    pipeliner, whose TTGIR keeps the load synchronous every K step (the forward kernel
+    flattened with such an operand ran 2.4x slower).
     """
     m, d = dy2d.shape
     f = w_down.shape[0]
