@@ -26,7 +26,8 @@ as in Hugging Face, or for BERT the tokens at 15% of the positions). The workloa
     CUDA graph, as ``lstrain-captured``; ``lstrain-patch-captured-sr`` the same without master
     weights;
   * ``lstrain-eager``: lstrain's model (``fused=True``) with bf16 parameters and
-    ``lstrain.optim.FusedAdamW(max_grad_norm=1.0)`` (fp32 master weights);
+    ``lstrain.optim.FusedAdamW(max_grad_norm=1.0)`` (fp32 master weights; the gradients
+    autograd's own tensors, ``flat_grads=False``, freed by ``zero_grad(set_to_none=True)``);
     ``lstrain-captured``: the same step replayed from one CUDA graph
     (``lstrain.train.CapturedStep``); ``lstrain-compile``: the same under
     ``torch.compile(model)``; ``lstrain-captured-sr``: captured, ``FusedAdamW(master_weights=
@@ -411,11 +412,11 @@ def lstrain_step(
 
     model.to(device=device, dtype=torch.bfloat16 if workload.bf16 else torch.float32).train()
     options = {"master_weights": False, "state_dtype": torch.bfloat16} if rounded else {}
-    optimizer = FusedAdamW(_param_groups(model), lr=LR, max_grad_norm=MAX_NORM, **options)
+    # gradients made as backward frees activations, not a buffer held through forward
+    optimizer = FusedAdamW(_param_groups(model), lr=LR, max_grad_norm=MAX_NORM, flat_grads=False, **options)
     forward = torch.compile(model) if compiled else model
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor, *masked: torch.Tensor) -> torch.Tensor:
-        # backward writes the weight matrices' gradients straight into the flat buffers
         optimizer.zero_grad(set_to_none=True)
         if masked:  # BERT: the fixed-size masked positions (a static shape: capturable)
             positions, masked_labels = masked

@@ -24,7 +24,14 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain._backend import wait_for_producers
-from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
+from lstrain.optim.base import (
+    FlatOptimizer,
+    GradTable,
+    gradient_pointers,
+    load_gradient_and_weight,
+    store_state,
+    store_weight,
+)
 from lstrain.optim.flat import BLOCK
 from lstrain.optim.rounding import rounding_key
 
@@ -82,6 +89,9 @@ def _adamw_scalars_kernel(
 def _adamw_kernel(
     param_ptr,
     grad_ptr,
+    grad_table_ptr,
+    slot_start_ptr,
+    slot_size_ptr,
     master_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
@@ -97,6 +107,7 @@ def _adamw_kernel(
     HAS_MASTER: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     CAN_SKIP: tl.constexpr,
+    GRAD_TABLE: tl.constexpr,
     ROUND_WEIGHT: tl.constexpr,
     ROUND_STATE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -116,9 +127,12 @@ def _adamw_kernel(
     step = tl.load(step_ptr + slot)
     active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    grad_pointers, grad_exists = gradient_pointers(
+        grad_ptr, grad_table_ptr, slot_start_ptr, slot_size_ptr, slot, offsets, GRAD_TABLE
+    )
     g, w, write = load_gradient_and_weight(
-        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, active, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP,
-        BLOCK,
+        param_ptr, grad_pointers, grad_exists, master_ptr, grad_factor_ptr, skip_ptr, active, offsets, HAS_MASTER,
+        HAS_FACTOR, CAN_SKIP, BLOCK,
     )  # fmt: skip
     # AdamW shrinks the weight, Adam adds the decay to the gradient (one of the two terms is 0)
     g = g + coupled_decay * w
@@ -167,6 +181,14 @@ class FusedAdamW(FlatOptimizer):
         rounding_seed: the seed of the stochastic rounding's random numbers (an int in
             [0, 2**31 - 1024)), together with each parameter's step count; the same on
             every rank that updates a replica (the default, 0, is).
+        flat_grads: True (default): the gradients live in one flat buffer per dtype,
+            allocated for good, which backward writes into (what :class:`DataParallel`'s
+            bucketed all-reduce reads). False: each ``.grad`` stays autograd's own tensor,
+            allocated as backward makes it and freed by ``zero_grad(set_to_none=True)``, as
+            with torch's optimizers; the update still reads them all in one launch per
+            dtype, through a table of their addresses. The peak of a step whose memory
+            peaks at the start of backward (most Transformers) drops by about the
+            gradients' size.
 
     The parameters are moved into flat buffers when the optimizer is built (their
     ``.data`` and ``.grad`` become views); the model behaves exactly as before. Build the
@@ -183,7 +205,8 @@ class FusedAdamW(FlatOptimizer):
     Raises:
         ValueError: lr < 0, eps < 0, weight_decay < 0, betas outside [0, 1),
             max_grad_norm <= 0, amsgrad / maximize / differentiable, a bad
-            ``master_weights`` / ``state_dtype`` / ``rounding_seed``, fp16 parameters without
+            ``master_weights`` / ``state_dtype`` / ``rounding_seed`` / ``flat_grads``, fp16
+            parameters without
             master weights, parameters on several devices, a non-float parameter, or no
             parameter that requires grad.
     """
@@ -205,6 +228,7 @@ class FusedAdamW(FlatOptimizer):
         master_weights: bool = True,
         state_dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
+        flat_grads: bool = True,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -215,7 +239,7 @@ class FusedAdamW(FlatOptimizer):
         }
         super().__init__(
             params, defaults, max_grad_norm, master_weights=master_weights, state_dtype=state_dtype,
-            rounding_seed=rounding_seed,
+            rounding_seed=rounding_seed, flat_grads=flat_grads,
         )  # fmt: skip
 
     @staticmethod
@@ -269,14 +293,16 @@ class FusedAdamW(FlatOptimizer):
         return scalars
 
     def _launch(self, index, factor, found_inf) -> None:
-        buffer, master = self.flat.buffers[index], self._masters[index]
+        buffer, master, table = self.flat.buffers[index], self._masters[index], self._grad_tables[index]
         _adamw_kernel[(buffer.data.numel() // BLOCK,)](
-            buffer.data, buffer.grad, master, self._buffers["exp_avg"][index], self._buffers["exp_avg_sq"][index],
+            buffer.data, buffer.grad if table is None else buffer.data, *GradTable.arguments(table), master,
+            self._buffers["exp_avg"][index], self._buffers["exp_avg_sq"][index],
             buffer.block_slot, self._active[index], self._scalars(index), len(buffer.params), self._steps[index],
             factor, found_inf,
             HAS_MASTER=master is not None,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,
+            GRAD_TABLE=table is not None,
             BLOCK=BLOCK,
             num_warps=4,
             **self._rounding[index],

@@ -5,7 +5,9 @@ keep the buffers and the model in step.
 
 Every ``step()`` first walks the parameters on the host (identity and pointer checks, no
 device sync): a ``.grad`` that autograd put in a new tensor (after ``model.zero_grad()`` or
-``p.grad = None``) is copied into the flat buffer and the view re-attached; a parameter
+``p.grad = None``) is copied into the flat buffer and the view re-attached (without a flat
+gradient buffer, ``flat_grads=False``, each ``.grad``'s address goes into the table the
+kernels read instead: :class:`GradTable`); a parameter
 whose ``.grad`` is None or that no longer requires grad is skipped as torch's optimizers
 skip a parameter without a gradient; a parameter moved, cast
 or re-pointed since the optimizer was built is an error; a 16-bit parameter written in place
@@ -27,7 +29,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.optim.flat import BLOCK, FlatBuffer, FlatParameters, adopt_grads
 from lstrain.optim.rounding import random_halves, round_to_bf16
 
-__all__ = ["FlatOptimizer", "load_gradient_and_weight", "store_state", "store_weight"]
+__all__ = ["FlatOptimizer", "GradTable", "gradient_pointers", "load_gradient_and_weight", "store_state", "store_weight"]
 
 _MAX_SEED = 2**31 - 2**10  # a rounding seed plus a buffer index stays a 32-bit Philox key half
 
@@ -37,9 +39,25 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @triton.jit
+def gradient_pointers(grad_ptr, grad_table_ptr, slot_start_ptr, slot_size_ptr, slot, offsets, GRAD_TABLE: tl.constexpr):
+    """(pointers, which exist) of the gradient elements at flat offsets ``offsets`` of
+    parameter ``slot``: in the flat gradient buffer ``grad_ptr`` (all exist: its padding is
+    zero), or with ``GRAD_TABLE`` in the parameter's own ``.grad``, whose address is
+    ``grad_table[slot]`` (``grad_ptr`` then only gives the dtype), below its size."""
+    if GRAD_TABLE:
+        local = offsets - tl.load(slot_start_ptr + slot)
+        base = tl.load(grad_table_ptr + slot).to(tl.pointer_type(grad_ptr.dtype.element_ty))
+        pointers, exist = base + local, local < tl.load(slot_size_ptr + slot)
+    else:
+        pointers, exist = grad_ptr + offsets, offsets >= 0
+    return pointers, exist
+
+
+@triton.jit
 def load_gradient_and_weight(
     param_ptr,
-    grad_ptr,
+    grad_pointers,
+    grad_exists,
     master_ptr,
     grad_factor_ptr,
     skip_ptr,
@@ -50,17 +68,19 @@ def load_gradient_and_weight(
     CAN_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """(gradient times the clip / loss-scale factor, fp32 weight, store mask) of one block.
+    """(gradient times the clip / loss-scale factor, fp32 weight, store mask) of one block,
+    the gradient at ``grad_pointers`` where ``grad_exists`` (:func:`gradient_pointers`), 0
+    elsewhere.
 
     The store mask is all False for a parameter without a gradient (``active`` 0) and on
     an overflowing step, which then changes nothing; the loads are masked alike, so that
-    skipped blocks cost no memory traffic.
+    skipped blocks cost no memory traffic (nor read a gradient that is not there).
     """
     off = tl.zeros([BLOCK], dtype=tl.float32) + (1.0 - active)
     if CAN_SKIP:
         off += tl.load(skip_ptr)
     write = off == 0.0
-    g = tl.load(grad_ptr + offsets, mask=write, other=0.0).to(tl.float32)
+    g = tl.load(grad_pointers, mask=write & grad_exists, other=0.0).to(tl.float32)
     if HAS_FACTOR:
         g *= tl.load(grad_factor_ptr)
     if HAS_MASTER:
@@ -107,10 +127,14 @@ def store_state(
 @triton.jit
 def _sum_squares_kernel(
     grad_ptr,
+    grad_table_ptr,
+    slot_start_ptr,
+    slot_size_ptr,
     block_slot_ptr,
     active_ptr,
     partial_ptr,
     blocks,
+    GRAD_TABLE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -121,10 +145,14 @@ def _sum_squares_kernel(
     # slot -> flag loads (a block per program left the memory system a third idle).
     block = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     ok = block < blocks
-    active = tl.load(active_ptr + tl.load(block_slot_ptr + block, mask=ok, other=0), mask=ok, other=0.0)
+    slot = tl.load(block_slot_ptr + block, mask=ok, other=0)
+    active = tl.load(active_ptr + slot, mask=ok, other=0.0)
     column = tl.arange(0, BLOCK)
-    keep = (active != 0.0)[:, None] & (column >= 0)[None, :]
-    g = tl.load(grad_ptr + block.to(tl.int64)[:, None] * BLOCK + column[None, :], mask=keep, other=0.0)
+    offsets = block.to(tl.int64)[:, None] * BLOCK + column[None, :]
+    pointers, exist = gradient_pointers(
+        grad_ptr, grad_table_ptr, slot_start_ptr, slot_size_ptr, slot[:, None], offsets, GRAD_TABLE
+    )
+    g = tl.load(pointers, mask=(active != 0.0)[:, None] & exist, other=0.0)
     g = g.to(tl.float32)
     tl.store(partial_ptr + block, tl.sum(g * g, axis=1), mask=ok)
 
@@ -132,21 +160,67 @@ def _sum_squares_kernel(
 _SUM_SQUARES_BLOCKS = 4  # blocks per program of the norm's kernel
 
 
-def sum_squares(grad: torch.Tensor, block_slot: torch.Tensor, active: torch.Tensor, partials: torch.Tensor) -> None:
+def sum_squares(
+    grad: torch.Tensor,
+    block_slot: torch.Tensor,
+    active: torch.Tensor,
+    partials: torch.Tensor,
+    table: GradTable | None = None,
+) -> None:
     """``partials[b]`` = the sum of squares of block ``b`` of the flat gradient ``grad`` in
-    fp32 (0 for a block whose parameter has no gradient: ``active[block_slot[b]]`` 0)."""
+    fp32 (0 for a block whose parameter has no gradient: ``active[block_slot[b]]`` 0); with
+    ``table``, of the parameters' own gradients at those blocks (``grad`` is then the flat
+    parameter buffer, for its dtype)."""
     blocks = partials.numel()
     _sum_squares_kernel[(triton.cdiv(blocks, _SUM_SQUARES_BLOCKS),)](
         grad,
+        *GradTable.arguments(table),
         block_slot,
         active,
         partials,
         blocks,
+        GRAD_TABLE=table is not None,
         BLOCK=BLOCK,
         BLOCKS_PER_PROGRAM=_SUM_SQUARES_BLOCKS,
         num_warps=4,
         **_backend.dependent_launch(grad),
     )
+
+
+class GradTable:
+    """Where each parameter's own gradient lies, for an optimizer without a flat gradient
+    buffer (``flat_grads=False``): a device table of addresses (0: no gradient) that the
+    update and norm kernels read, with each parameter's start and size in the flat
+    parameter buffer.
+
+    The table is written only when an address changed: a host-to-device copy, never during
+    a CUDA-graph capture (the captured kernels read the table as it is when they are
+    replayed; :meth:`FlatOptimizer.before_replay` writes it first). The gradients are the
+    parameters' ``.grad``, alive until the update has run: the table never outlives them
+    unread.
+    """
+
+    def __init__(self, buffer: FlatBuffer) -> None:
+        device = buffer.data.device
+        self.addresses = torch.zeros(len(buffer.params), dtype=torch.int64, device=device)
+        self.starts = torch.tensor(buffer.offsets, dtype=torch.int64).to(device)
+        self.sizes = torch.tensor([p.numel() for p in buffer.params], dtype=torch.int64).to(device)
+        self.written: list[int] | None = [0] * len(buffer.params)  # None: to write at the next chance
+
+    def update(self, addresses: list[int]) -> None:
+        """Make the device table hold ``addresses`` (written unless it does already)."""
+        if addresses == self.written:
+            return
+        if self.addresses.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.written = None
+            return
+        self.addresses.copy_(torch.tensor(addresses, dtype=torch.int64), non_blocking=True)
+        self.written = addresses
+
+    @staticmethod
+    def arguments(table: GradTable | None) -> tuple:
+        """The kernels' (table, starts, sizes) arguments; None for a flat gradient buffer."""
+        return (None, None, None) if table is None else (table.addresses, table.starts, table.sizes)
 
 
 def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
@@ -168,7 +242,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     not implement (``UNSUPPORTED``), check a group (:meth:`_check_group`), convert one
     parameter's state from and to torch's layout (:meth:`_import_state`,
     :meth:`_export_state`) and launch their update kernel (:meth:`_launch`), one launch per
-    parameter dtype.
+    parameter dtype, reading the gradients through :func:`gradient_pointers` (the flat
+    gradient buffer, or with ``flat_grads=False`` each parameter's own ``.grad``).
 
     Parameters that do not require grad when the optimizer is built stay out of the flat
     buffers (no memory for their state); if one later requires grad and has a gradient at a
@@ -192,6 +267,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         master_weights: bool = True,
         state_dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
+        flat_grads: bool = True,
     ) -> None:
         super().__init__(params, defaults)
         name = type(self).__name__
@@ -201,6 +277,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: max_grad_norm must be > 0, got {max_grad_norm}")
         if not isinstance(master_weights, bool):
             raise ValueError(f"{name}: master_weights must be True or False, got {master_weights!r}")
+        if not isinstance(flat_grads, bool):
+            raise ValueError(f"{name}: flat_grads must be True or False, got {flat_grads!r}")
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"{name}: state_dtype must be torch.float32 or torch.bfloat16 (rounded stochastically), got "
@@ -213,6 +291,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.state_dtype = state_dtype
         self.rounding_seed = rounding_seed
+        self.flat_grads = flat_grads
         if not any(p.requires_grad for group in self.param_groups for p in group["params"]):
             raise ValueError(f"{name}: no parameter requires grad")
         self.max_grad_norm = max_grad_norm
@@ -260,7 +339,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 "before importing lstrain) or a CUDA device; the update is a Triton kernel"
             )
         self._check_dtypes(groups)
-        self.flat = FlatParameters(groups)
+        self.flat = FlatParameters(groups, grads=self.__dict__.get("flat_grads", True))
         self.generation = self.__dict__.get("generation", -1) + 1
         for p in detached:
             p.grad = None  # a parameter without a gradient keeps having none
@@ -296,6 +375,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._steps: list[torch.Tensor] = []
         self._active: list[torch.Tensor] = []
         self._active_host: list[list[bool]] = []
+        self._grad_tables: list[GradTable | None] = []  # without a flat gradient buffer
         blocks = [buffer.data.numel() // BLOCK for buffer in self.flat.buffers]
         self._partials = torch.zeros(sum(blocks), dtype=torch.float32, device=device)
         for buffer, (start, end) in zip(self.flat.buffers, spans, strict=True):
@@ -306,6 +386,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._steps.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
             self._active_host.append([False] * len(buffer.params))
             self._active.append(torch.zeros(len(buffer.params), dtype=torch.float32, device=device))
+            self._grad_tables.append(None if buffer.grad is not None else GradTable(buffer))
             for p in buffer.params:
                 _OWNERS[p] = weakref.ref(self)
         self._where = {id(p): (i, slot) for i, b in enumerate(self.flat.buffers) for slot, p in enumerate(b.params)}
@@ -390,6 +471,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                 return
         for index, buffer in enumerate(self.flat.buffers):
             strays = []  # gradients autograd put in new tensors: one copy per buffer (one dtype)
+            table = self._grad_tables[index]
+            addresses = [] if table is not None else None
             flags = self._active_host[index]
             versions = self._versions[index]
             master = self._masters[index]
@@ -398,10 +481,11 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if p.data_ptr() != buffer.data_ptrs[slot] or p.dtype is not buffer.dtype:
                     raise RuntimeError(self._moved_message(p, buffer))
                 grad = p.grad
-                view = buffer.grad_views[slot]
-                if grad is not view and grad is not None:
-                    strays.append((p, view))
                 active = grad is not None and p.requires_grad
+                if table is not None:
+                    addresses.append(self._own_gradient(p) if active else 0)
+                elif grad is not None and grad is not buffer.grad_views[slot]:
+                    strays.append((p, buffer.grad_views[slot]))
                 if active is not flags[slot]:
                     flags[slot] = active
                     changed = True
@@ -412,8 +496,27 @@ class FlatOptimizer(torch.optim.Optimizer):
                     versions[slot] = p._version
             if changed:
                 self._active[index].copy_(torch.tensor(flags, dtype=torch.float32), non_blocking=True)
+            if table is not None:
+                table.update(addresses)
             adopt_grads(strays)
         self.flat.reopen_grad_slots()
+
+    def _own_gradient(self, p: torch.nn.Parameter) -> int:
+        """The address of ``p``'s own ``.grad`` (``flat_grads=False``), made contiguous
+        first if it is not (the update reads it in the parameter's element order).
+
+        Raises:
+            RuntimeError: a sparse gradient, or one on another device than the parameter.
+        """
+        grad = p.grad
+        if grad.layout is not torch.strided or grad.device != p.device:
+            raise RuntimeError(
+                f"{type(self).__name__}.step: a gradient is {grad.layout} on {grad.device}, its parameter "
+                f"{p.layout} on {p.device}; the update reads dense gradients on the parameters' device"
+            )
+        if not grad.is_contiguous():
+            p.grad = grad = grad.contiguous()
+        return grad.data_ptr()
 
     def _sync_hyperparameters(self) -> None:
         """Copy the groups' hyperparameters to the device when a scheduler changed them
@@ -493,13 +596,22 @@ class FlatOptimizer(torch.optim.Optimizer):
                 a new tensor that ``step()`` copies in (one more read and write of it).
                 Unlike torch, a ``.grad`` placed so is a view of the buffer: the next
                 backward after ``zero_grad`` or ``step`` writes over it (clone a gradient
-                you keep across backwards).
+                you keep across backwards). Without flat gradient buffers
+                (``flat_grads=False``) torch's own: False zeroes each ``.grad`` in place,
+                True frees them until backward makes them again.
         """
         self.flat.reopen_grad_slots()
         if set_to_none:
             for group in self.param_groups:
                 for p in group["params"]:
                     p.grad = None
+            return
+        if not self.flat_grads:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            for grad in grads:
+                grad.detach_()
+            if grads:
+                torch._foreach_zero_(grads)
             return
         for p in self._outside:
             if p.grad is not None:
@@ -526,7 +638,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         for index, buffer in enumerate(self.flat.buffers):
             blocks = buffer.data.numel() // BLOCK
             if blocks:
-                sum_squares(buffer.grad, buffer.block_slot, self._active[index], self._partials[start : start + blocks])
+                sum_squares(
+                    buffer.data if buffer.grad is None else buffer.grad, buffer.block_slot, self._active[index],
+                    self._partials[start : start + blocks], self._grad_tables[index],
+                )  # fmt: skip
             start += blocks
         return self._partials.sum().sqrt()
 

@@ -129,7 +129,8 @@ class DataParallel:
         TypeError: ``target`` is neither, or is a :class:`~lstrain.optim.ZeroAdamW` (which
             reduce-scatters its gradients itself).
         ValueError: ``bucket_mib`` <= 0, or parameters on a device the group cannot reduce.
-        RuntimeError: torch.distributed is not initialized.
+        RuntimeError: torch.distributed is not initialized, or ``target`` has no flat
+            gradient buffers (``flat_grads=False``).
     """
 
     def __init__(self, target, process_group=None, bucket_mib: float = 25.0, broadcast_from: int | None = 0) -> None:
@@ -147,6 +148,7 @@ class DataParallel:
             raise TypeError(f"DataParallel: target must be a FlatOptimizer or FlatParameters, got {kind}")
         if not (isinstance(bucket_mib, (int, float)) and bucket_mib > 0):
             raise ValueError(f"DataParallel: bucket_mib must be > 0, got {bucket_mib!r}")
+        flat.require_grad_buffers("DataParallel (its buckets are slices of them)")
         self.process_group = process_group
         self.world_size = check_process_group("DataParallel", flat.device, process_group)
         self.bucket_bytes = int(bucket_mib * 2**20)

@@ -10,6 +10,13 @@ parameter starts at a block boundary (``BLOCK`` elements), so that one kernel ca
 a dtype's buffer in one launch whatever the number of tensors, and each program reads its
 parameter's group, step count and "has a gradient" flag as scalars. The padding costs at
 most ``BLOCK - 1`` elements per tensor (under 1M elements for a thousand tensors).
+
+Built with ``grads=False``, there is no gradient buffer: each ``.grad`` stays autograd's
+own tensor, allocated as backward makes it and freed with it, and the optimizers read it
+where it lies (:class:`lstrain.optim.base.GradTable`). Training's memory peak is usually
+at the start of backward, when every activation is saved: a gradient buffer allocated for
+good adds its whole size there (1.4 GiB for a 0.75B-parameter bf16 model), gradients made
+as backward frees activations add little.
 """
 
 from __future__ import annotations
@@ -68,12 +75,13 @@ class FlatBuffer:
     group index of parameter ``i``; padding elements are
     zero in both buffers and stay zero under every update. ``grad_views[i]`` is the view
     that parameter ``i``'s ``.grad`` is while attached, ``data_ptrs[i]`` where its data
-    lies in ``data``.
+    lies in ``data``. Without a gradient buffer (``grads=False``) ``grad`` is None and
+    ``grad_views`` empty.
     """
 
     dtype: torch.dtype
     data: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor | None
     params: list[torch.nn.Parameter]
     offsets: list[int]
     block_group: torch.Tensor
@@ -95,16 +103,22 @@ class FlatParameters:
             ``BLOCK``), so that it splits into equal block-aligned shards (ZeRO-1: ``world
             size * BLOCK``); the padding blocks belong to the buffer's last parameter and,
             like all padding, stay zero.
+        grads: True (default): a flat gradient buffer beside each parameter buffer, whose
+            views become the ``.grad``; False: none (the ``.grad`` are left as they are:
+            the module docstring says when that saves memory).
 
     Raises:
         ValueError: parameters on more than one device, a parameter in two groups, a
             non-floating-point parameter, or ``pad_to`` not a positive multiple of ``BLOCK``.
     """
 
-    def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], *, pad_to: int = BLOCK) -> None:
+    def __init__(
+        self, groups: Sequence[Sequence[torch.nn.Parameter]], *, pad_to: int = BLOCK, grads: bool = True
+    ) -> None:
         if not (isinstance(pad_to, int) and pad_to > 0 and pad_to % BLOCK == 0):
             raise ValueError(f"FlatParameters: pad_to must be a positive multiple of {BLOCK}, got {pad_to!r}")
         self.pad_to = pad_to
+        self.grads = grads
         params = [p for group in groups for p in group]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("FlatParameters: a parameter appears twice")
@@ -130,7 +144,7 @@ class FlatParameters:
         padding = _round_up(size, self.pad_to) - size
         size += padding
         data = torch.zeros(size, dtype=dtype, device=self.device)
-        grad = torch.zeros(size, dtype=dtype, device=self.device)
+        grad = torch.zeros(size, dtype=dtype, device=self.device) if self.grads else None
         # Built with device ops, not Python lists: a 2**31-element buffer has 2M blocks.
         blocks = torch.tensor([_round_up(p.numel(), BLOCK) // BLOCK for p, _, _ in layout], dtype=torch.int64)
         if layout:
@@ -143,10 +157,12 @@ class FlatParameters:
             for p, offset, _ in layout:
                 view = data[offset : offset + p.numel()].view(p.shape)
                 view.copy_(p)
+                p.data = view
+                if grad is None:
+                    continue
                 grad_view = grad[offset : offset + p.numel()].view(p.shape)
                 if p.grad is not None:
                     grad_view.copy_(p.grad)
-                p.data = view
                 p.grad = grad_view
                 grad_views.append(grad_view)
                 self.grad_places.register(p, grad, offset)
@@ -163,8 +179,25 @@ class FlatParameters:
             [p.data_ptr() for p, _, _ in layout],
         )
 
+    def require_grad_buffers(self, what: str) -> None:
+        """Refuse ``what`` (a method that reads the flat gradient buffers) without them.
+
+        Raises:
+            RuntimeError: built with ``grads=False``.
+        """
+        if not self.grads:
+            raise RuntimeError(
+                f"{what} reads the flat gradient buffers, and these FlatParameters have none (grads=False, an "
+                "optimizer's flat_grads=False): build them with grads=True"
+            )
+
     def zero_grad(self) -> None:
-        """Zero every flat gradient buffer in place (the ``.grad`` views stay attached)."""
+        """Zero every flat gradient buffer in place (the ``.grad`` views stay attached).
+
+        Raises:
+            RuntimeError: built with ``grads=False``.
+        """
+        self.require_grad_buffers("FlatParameters.zero_grad")
         for buffer in self.buffers:
             buffer.grad.zero_()
 
@@ -177,7 +210,12 @@ class FlatParameters:
     def attach_grads(self) -> None:
         """Copy each gradient that autograd put in a new tensor (after ``model.zero_grad()``
         or ``p.grad = None``) into the flat buffer and make ``.grad`` its view again; a
-        ``.grad`` that is None stays None."""
+        ``.grad`` that is None stays None.
+
+        Raises:
+            RuntimeError: built with ``grads=False``.
+        """
+        self.require_grad_buffers("FlatParameters.attach_grads")
         for buffer in self.buffers:  # one copy per buffer: one dtype, torch's multi-tensor fast path
             adopt_grads(
                 [
@@ -193,8 +231,10 @@ class FlatParameters:
         this is for code that reads the flat buffers directly (``all_reduce_grads``).
 
         Raises:
-            RuntimeError: a ``.grad`` was replaced or set to None.
+            RuntimeError: a ``.grad`` was replaced or set to None, or no gradient buffers
+                (``grads=False``).
         """
+        self.require_grad_buffers("FlatParameters.check_attached")
         for buffer in self.buffers:
             for p, view in zip(buffer.params, buffer.grad_views, strict=True):
                 if p.grad is not view:
@@ -212,6 +252,9 @@ class FlatParameters:
             group: the ``torch.distributed`` process group (default: the world).
 
         Gradients that autograd put in new tensors are copied in first (:meth:`attach_grads`).
+
+        Raises:
+            RuntimeError: built with ``grads=False``.
         """
         import torch.distributed as dist
 

@@ -11,7 +11,14 @@ import triton.language as tl
 
 from lstrain import _backend
 from lstrain._backend import wait_for_producers
-from lstrain.optim.base import FlatOptimizer, load_gradient_and_weight, store_state, store_weight
+from lstrain.optim.base import (
+    FlatOptimizer,
+    GradTable,
+    gradient_pointers,
+    load_gradient_and_weight,
+    store_state,
+    store_weight,
+)
 from lstrain.optim.flat import BLOCK
 from lstrain.optim.rounding import rounding_key
 
@@ -24,6 +31,9 @@ __all__ = ["FusedSGD"]
 def _sgd_kernel(
     param_ptr,
     grad_ptr,
+    grad_table_ptr,
+    slot_start_ptr,
+    slot_size_ptr,
     master_ptr,
     momentum_ptr,
     block_group_ptr,
@@ -39,6 +49,7 @@ def _sgd_kernel(
     HAS_MASTER: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     CAN_SKIP: tl.constexpr,
+    GRAD_TABLE: tl.constexpr,
     ROUND_WEIGHT: tl.constexpr,
     ROUND_STATE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -59,9 +70,12 @@ def _sgd_kernel(
     first_step = step == 1.0
     active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    grad_pointers, grad_exists = gradient_pointers(
+        grad_ptr, grad_table_ptr, slot_start_ptr, slot_size_ptr, slot, offsets, GRAD_TABLE
+    )
     g, w, write = load_gradient_and_weight(
-        param_ptr, grad_ptr, master_ptr, grad_factor_ptr, skip_ptr, active, offsets, HAS_MASTER, HAS_FACTOR, CAN_SKIP,
-        BLOCK,
+        param_ptr, grad_pointers, grad_exists, master_ptr, grad_factor_ptr, skip_ptr, active, offsets, HAS_MASTER,
+        HAS_FACTOR, CAN_SKIP, BLOCK,
     )  # fmt: skip
     g = g + weight_decay * w
     # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
@@ -84,14 +98,15 @@ class FusedSGD(FlatOptimizer):
     :class:`~lstrain.optim.FusedAdamW`, whose notes on moved models, parameters without
     gradients and ``zero_grad`` hold here too. 16-bit parameters get fp32 master weights;
     the momentum buffer is fp32. ``master_weights``, ``state_dtype`` (the momentum
-    buffer's) and ``rounding_seed`` as in FusedAdamW: bf16 without masters, rounded
-    stochastically. The state dict is torch's (``momentum_buffer`` per parameter that took
-    a step in a group with momentum).
+    buffer's), ``rounding_seed`` and ``flat_grads`` as in FusedAdamW: bf16 without masters,
+    rounded stochastically; the gradients in a flat buffer or autograd's own. The state
+    dict is torch's (``momentum_buffer`` per parameter that took a step in a group with
+    momentum).
 
     Raises:
         ValueError: lr < 0, momentum or dampening outside [0, 1], weight_decay < 0,
             nesterov without momentum or with dampening, maximize / differentiable, a bad
-            ``master_weights`` / ``state_dtype`` / ``rounding_seed``, fp16 parameters without
+            ``master_weights`` / ``state_dtype`` / ``rounding_seed`` / ``flat_grads``, fp16 parameters without
             master weights, bad parameters, or no parameter that requires grad.
     """
 
@@ -111,6 +126,7 @@ class FusedSGD(FlatOptimizer):
         master_weights: bool = True,
         state_dtype: torch.dtype = torch.float32,
         rounding_seed: int = 0,
+        flat_grads: bool = True,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -121,7 +137,7 @@ class FusedSGD(FlatOptimizer):
         }
         super().__init__(
             params, defaults, max_grad_norm, master_weights=master_weights, state_dtype=state_dtype,
-            rounding_seed=rounding_seed,
+            rounding_seed=rounding_seed, flat_grads=flat_grads,
         )  # fmt: skip
 
     def _hyper_of(self, group: dict) -> tuple[float, ...]:
@@ -161,14 +177,16 @@ class FusedSGD(FlatOptimizer):
         return entry or None
 
     def _launch(self, index, factor, found_inf) -> None:
-        buffer, master = self.flat.buffers[index], self._masters[index]
+        buffer, master, table = self.flat.buffers[index], self._masters[index], self._grad_tables[index]
         _sgd_kernel[(buffer.data.numel() // BLOCK,)](
-            buffer.data, buffer.grad, master, self._buffers["momentum_buffer"][index], buffer.block_group,
+            buffer.data, buffer.grad if table is None else buffer.data, *GradTable.arguments(table), master,
+            self._buffers["momentum_buffer"][index], buffer.block_group,
             buffer.block_slot, self._active[index], self._hyper, self._steps[index], factor, found_inf,
             len(self.param_groups),
             HAS_MASTER=master is not None,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,
+            GRAD_TABLE=table is not None,
             BLOCK=BLOCK,
             num_warps=4,
             **self._rounding[index],

@@ -257,12 +257,13 @@ class ZeroAdamW(FusedAdamW):
         start, end = self.shards[index]
         b0, b1 = start // BLOCK, end // BLOCK
         _adamw_kernel[(b1 - b0,)](
-            buffer.data[start:end], buffer.grad[start:end], master, self._buffers["exp_avg"][index],
+            buffer.data[start:end], buffer.grad[start:end], None, None, None, master, self._buffers["exp_avg"][index],
             self._buffers["exp_avg_sq"][index], buffer.block_slot[b0:b1], self._active[index], self._scalars(index),
             len(buffer.params), self._steps[index], factor, found_inf,
             HAS_MASTER=master is not None,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,
+            GRAD_TABLE=False,
             BLOCK=BLOCK,
             num_warps=4,
             **self._rounding[index],

@@ -210,7 +210,9 @@ class CapturedStep:
             self._capture(batch)
         else:
             self._copy_in(batch)
-            self._before_replay()
+        # also after the capture: the gradients an optimizer without flat gradient buffers
+        # reads through a table of addresses lie in the graph's memory now
+        self._before_replay()
         self.graph.replay()
         return pytree.tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, self._output)
 
