@@ -339,7 +339,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 "before importing lstrain) or a CUDA device; the update is a Triton kernel"
             )
         self._check_dtypes(groups)
-        self.flat = FlatParameters(groups, grads=self.__dict__.get("flat_grads", True))
+        self.flat = FlatParameters(groups, grads=self.flat_grads)
         self.generation = self.__dict__.get("generation", -1) + 1
         for p in detached:
             p.grad = None  # a parameter without a gradient keeps having none
