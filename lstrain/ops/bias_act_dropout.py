@@ -25,6 +25,7 @@ from lstrain.ops._lib.dropout import (
     column_walkers,
     dropout_keep,
     dropout_mask,
+    dropout_scale,
     elementwise_plan,
     new_seed,
 )
@@ -52,6 +53,7 @@ def _bias_act_dropout_fwd_kernel(
     cols,
     x_row_stride,
     p,
+    keep_scale,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -71,13 +73,13 @@ def _bias_act_dropout_fwd_kernel(
     if DROPOUT:
         p = tl.cast(p, tl.float32)
         keep = dropout_keep(seed_ptr, row, tl.program_id(1) * BLOCK_COLS, cols, p, BLOCK_COLS)
-        y = apply_dropout(y, keep, p)
+        y = apply_dropout(y, keep, keep_scale)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bwd_tile(
-    x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, first, rows, col, cols, x_row_stride, dy_row_stride, p, scale,
+    x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, first, rows, col, cols, x_row_stride, dy_row_stride, p, keep_scale, scale,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr, ROW_MASK: tl.constexpr,
 ):  # fmt: skip
@@ -93,7 +95,7 @@ def _bwd_tile(
     offsets = row[:, None] * cols + col[None, :]
     if DROPOUT:
         keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
-        g = apply_dropout(g, keep, p)
+        g = apply_dropout(g, keep, keep_scale)
     _, slope = apply_activation(z, ACT)
     g = tl.where(mask, g * slope, 0.0)
     tl.store(dx_ptr + offsets, (g * tl.cast(scale, tl.float32)).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -113,6 +115,7 @@ def _bias_act_dropout_bwd_kernel(
     x_row_stride,
     dy_row_stride,
     p,
+    keep_scale,
     scale,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -139,12 +142,12 @@ def _bias_act_dropout_bwd_kernel(
     for tile in tl.range(group, whole, groups, num_stages=NUM_STAGES):
         acc += _bwd_tile(
             x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, tile * BLOCK_ROWS, rows, col, cols, x_row_stride, dy_row_stride,
-            p, scale, ACT, HAS_BIAS, DROPOUT, BLOCK_ROWS, BLOCK_COLS, False,
+            p, keep_scale, scale, ACT, HAS_BIAS, DROPOUT, BLOCK_ROWS, BLOCK_COLS, False,
         )  # fmt: skip
     if (whole * BLOCK_ROWS < rows) & (whole % groups == group):  # the partial last tile, in its walker's turn
         acc += _bwd_tile(
             x_ptr, dy_ptr, dx_ptr, seed_ptr, bias, whole * BLOCK_ROWS, rows, col, cols, x_row_stride, dy_row_stride,
-            p, scale, ACT, HAS_BIAS, DROPOUT, BLOCK_ROWS, BLOCK_COLS, True,
+            p, keep_scale, scale, ACT, HAS_BIAS, DROPOUT, BLOCK_ROWS, BLOCK_COLS, True,
         )  # fmt: skip
     if BIAS_GRAD:
         tl.store(partial_ptr + group.to(tl.int64) * cols + col, tl.sum(acc, axis=0), mask=col < cols)
@@ -162,7 +165,7 @@ def bias_act_dropout_fwd(
         return y
     plan = elementwise_plan(cols)
     _bias_act_dropout_fwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
-        x2d, bias, y, seed, rows, cols, x2d.stride(0), p,
+        x2d, bias, y, seed, rows, cols, x2d.stride(0), p, dropout_scale(p),
         ACT=ACTIVATIONS.index(activation),
         HAS_BIAS=bias is not None,
         DROPOUT=dropout,
@@ -207,7 +210,8 @@ def bias_act_dropout_bwd(
     plan = elementwise_plan(cols)
     grid, partials = column_walkers(rows, cols, plan, x, bias_grad)
     _bias_act_dropout_bwd_kernel[grid](
-        x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0), p, scale,
+        x2d, bias, dy2d, grads[0], partials, seed, rows, cols, x2d.stride(0), dy2d.stride(0),
+        p, dropout_scale(p), scale,
         ACT=ACTIVATIONS.index(activation),
         HAS_BIAS=bias is not None,
         DROPOUT=dropout,

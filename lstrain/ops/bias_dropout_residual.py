@@ -25,6 +25,7 @@ from lstrain.ops._lib.dropout import (
     column_walkers,
     dropout_keep,
     dropout_mask,
+    dropout_scale,
     elementwise_plan,
     new_seed,
 )
@@ -54,6 +55,7 @@ def _bias_dropout_residual_fwd_kernel(
     x_row_stride,
     residual_row_stride,
     p,
+    keep_scale,
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -71,7 +73,7 @@ def _bias_dropout_residual_fwd_kernel(
     if DROPOUT:
         p = tl.cast(p, tl.float32)
         keep = dropout_keep(seed_ptr, row, tl.program_id(1) * BLOCK_COLS, cols, p, BLOCK_COLS)
-        v = apply_dropout(v, keep, p)
+        v = apply_dropout(v, keep, keep_scale)
     residual = tl.load(residual_ptr + row[:, None] * residual_row_stride + col[None, :], mask=mask, other=0.0)
     y = v + residual.to(tl.float32)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -87,6 +89,7 @@ def _dropout_bwd_kernel(
     cols,
     dy_row_stride,
     p,
+    keep_scale,
     DROPOUT: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -108,7 +111,7 @@ def _dropout_bwd_kernel(
         if DROPOUT:
             offsets = row[:, None] * cols + col[None, :]
             keep = dropout_keep(seed_ptr, row, tl.program_id(0) * BLOCK_COLS, cols, p, BLOCK_COLS)
-            g = apply_dropout(g, keep, p)
+            g = apply_dropout(g, keep, keep_scale)
             tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
         if BIAS_GRAD:
             acc += g
@@ -144,7 +147,7 @@ def dropout_bwd(
     plan = plan or elementwise_plan(cols)
     grid, partials = column_walkers(rows, cols, plan, dy, bias_grad)
     _dropout_bwd_kernel[grid](
-        dy2d, dx, partials, seed, rows, cols, dy2d.stride(0), p,
+        dy2d, dx, partials, seed, rows, cols, dy2d.stride(0), p, dropout_scale(p),
         DROPOUT=dropout,
         BIAS_GRAD=bias_grad,
         BLOCK_ROWS=plan.block_rows,
@@ -176,7 +179,7 @@ def bias_dropout_residual_fwd(
         return y
     plan = elementwise_plan(cols)
     _bias_dropout_residual_fwd_kernel[(cdiv(rows, plan.block_rows), cdiv(cols, plan.block_cols))](
-        x2d, bias, residual2d, y, seed, rows, cols, x2d.stride(0), residual2d.stride(0), p,
+        x2d, bias, residual2d, y, seed, rows, cols, x2d.stride(0), residual2d.stride(0), p, dropout_scale(p),
         HAS_BIAS=bias is not None,
         DROPOUT=dropout,
         BLOCK_ROWS=plan.block_rows,

@@ -38,6 +38,7 @@ from lstrain.ops._lib.dropout import (
     check_seed,
     dropout_keep,
     dropout_mask,
+    dropout_scale,
     new_seed,
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
@@ -84,6 +85,7 @@ def _dropout_add_layer_norm_fwd_kernel(
     inv_cols,
     eps,
     p,
+    keep_scale,
     HAS_X_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -103,7 +105,7 @@ def _dropout_add_layer_norm_fwd_kernel(
         v += tl.load(x_bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if DROPOUT:
         p = tl.cast(p, tl.float32)
-        v = apply_dropout(v, dropout_keep(seed_ptr, row, 0, cols, p, BLOCK_COLS), p)
+        v = apply_dropout(v, dropout_keep(seed_ptr, row, 0, cols, p, BLOCK_COLS), keep_scale)
     residual = tl.load(residual_ptr + row[:, None] * residual_row_stride + col[None, :], mask=mask, other=0.0)
     h = (v + residual.to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
     offsets = row[:, None] * cols + col[None, :]
@@ -140,6 +142,7 @@ def _dropout_add_layer_norm_bwd_kernel(
     dnew_residual_row_stride,
     inv_cols,
     p,
+    keep_scale,
     HAS_DNEW_RESIDUAL: tl.constexpr,
     DROPOUT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -188,7 +191,7 @@ def _dropout_add_layer_norm_bwd_kernel(
             g += dnew.to(tl.float32)
         tl.store(dresidual_ptr + offsets, g.to(dresidual_ptr.dtype.element_ty), mask=mask)
         if DROPOUT:
-            g = apply_dropout(g, dropout_keep(seed_ptr, row, 0, cols, p, BLOCK_COLS), p)
+            g = apply_dropout(g, dropout_keep(seed_ptr, row, 0, cols, p, BLOCK_COLS), keep_scale)
             tl.store(dx_ptr + offsets, g.to(dx_ptr.dtype.element_ty), mask=mask)
         if WEIGHT_GRAD:
             weight_acc += dy * x_hat
@@ -236,7 +239,7 @@ def dropout_add_layer_norm_fwd(
     plan = layer_norm_fwd_plan(max(8, cols))  # dropout_keep takes at least 8 columns
     _dropout_add_layer_norm_fwd_kernel[(cdiv(rows, plan.block_rows),)](
         x2d, x_bias, residual2d, weight, bias, normed, new_residual, stats, seed,
-        rows, cols, x2d.stride(0), residual2d.stride(0), 1.0 / cols, eps, p,
+        rows, cols, x2d.stride(0), residual2d.stride(0), 1.0 / cols, eps, p, dropout_scale(p),
         HAS_X_BIAS=x_bias is not None,
         DROPOUT=dropout,
         HAS_WEIGHT=weight is not None,
@@ -309,7 +312,7 @@ def dropout_add_layer_norm_bwd(
     partials = torch.empty((len(params), programs, cols), dtype=torch.float32, device=new_residual.device)
     _dropout_add_layer_norm_bwd_kernel[(programs,)](
         new_residual, dnormed2d, dnew2d, weight, stats, seed, grads[0], grads[-1], partials,
-        rows, cols, dnormed2d.stride(0), 0 if dnew2d is None else dnew2d.stride(0), 1.0 / cols, p,
+        rows, cols, dnormed2d.stride(0), 0 if dnew2d is None else dnew2d.stride(0), 1.0 / cols, p, dropout_scale(p),
         HAS_DNEW_RESIDUAL=dnew_residual is not None,
         DROPOUT=dropout,
         HAS_WEIGHT=weight is not None,

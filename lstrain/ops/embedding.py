@@ -41,6 +41,7 @@ from lstrain.ops._lib.dropout import (
     check_seed,
     dropout_keep,
     dropout_mask,
+    dropout_scale,
     elementwise_plan,
     new_seed,
 )
@@ -83,6 +84,7 @@ def _embedding_fwd_kernel(
     padding_idx,
     scale,
     p,
+    keep_scale,
     HAS_POS: tl.constexpr,
     EXPLICIT_POSITIONS: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -120,29 +122,33 @@ def _embedding_fwd_kernel(
     if DROPOUT:
         p = tl.cast(p, tl.float32)
         keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-        v = apply_dropout(v, keep, p)
+        v = apply_dropout(v, keep, keep_scale)
     v = tl.where(bad[:, None], float("nan"), v)
     tl.store(y_ptr + offsets, v.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_gradient(dy_ptr, seed_ptr, token, col, col_ok, dim, p, DROPOUT: tl.constexpr, BLOCK_DIM: tl.constexpr):
+def _row_gradient(
+    dy_ptr, seed_ptr, token, col, col_ok, dim, p, keep_scale, DROPOUT: tl.constexpr, BLOCK_DIM: tl.constexpr
+):
     """dy of one token's row, with that row's dropout mask and rescale applied (fp32)."""
     g = tl.load(dy_ptr + token * dim + col, mask=col_ok, other=0.0).to(tl.float32)
     if DROPOUT:
         keep = dropout_keep(seed_ptr, token + tl.zeros([1], tl.int64), tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-        g = apply_dropout(g, tl.reshape(keep, [BLOCK_DIM]), p)
+        g = apply_dropout(g, tl.reshape(keep, [BLOCK_DIM]), keep_scale)
     return g
 
 
 @triton.jit
-def _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, DROPOUT: tl.constexpr, BLOCK_DIM: tl.constexpr):
+def _tile_gradient(
+    dy_ptr, seed_ptr, token, col, mask, dim, p, keep_scale, DROPOUT: tl.constexpr, BLOCK_DIM: tl.constexpr
+):
     """dy of the tokens' rows [len(token), BLOCK_DIM] (fp32, masked rows read nothing), with
     their dropout mask and rescale applied."""
     g = tl.load(dy_ptr + token[:, None] * dim + col[None, :], mask=mask, other=0.0).to(tl.float32)
     if DROPOUT:
         keep = dropout_keep(seed_ptr, token, tl.program_id(1) * BLOCK_DIM, dim, p, BLOCK_DIM)
-        g = apply_dropout(g, keep, p)
+        g = apply_dropout(g, keep, keep_scale)
     return g
 
 
@@ -192,6 +198,7 @@ def _scatter_phase(
     padding_idx,
     scale,
     p,
+    keep_scale,
     PHASE: tl.constexpr,
     HAS_BASE: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -217,7 +224,9 @@ def _scatter_phase(
     if PHASE == 0:
         alone = valid & (count == 1)
         owns = shared & (owner == token)
-        g = _tile_gradient(dy_ptr, seed_ptr, token, col, (alone | owns)[:, None] & col_ok, dim, p, DROPOUT, BLOCK_DIM)
+        g = _tile_gradient(
+            dy_ptr, seed_ptr, token, col, (alone | owns)[:, None] & col_ok, dim, p, keep_scale, DROPOUT, BLOCK_DIM
+        )
         g *= tl.cast(scale, tl.float32)
         row_offsets = ids[:, None] * dim + col[None, :]
         g_alone = _plus_base(g, base_ptr, row_offsets, alone[:, None] & col_ok, HAS_BASE)
@@ -228,7 +237,9 @@ def _scatter_phase(
     elif PHASE == 1:
         later = shared & (owner != token)
         if tl.max(later.to(tl.int32), axis=0) > 0:  # most tiles: skip the dropout draws
-            g = _tile_gradient(dy_ptr, seed_ptr, token, col, later[:, None] & col_ok, dim, p, DROPOUT, BLOCK_DIM)
+            g = _tile_gradient(
+                dy_ptr, seed_ptr, token, col, later[:, None] & col_ok, dim, p, keep_scale, DROPOUT, BLOCK_DIM
+            )
             g *= tl.cast(scale, tl.float32)
             owner_sums = sums_ptr + owner[:, None] * dim + col[None, :]
             tl.atomic_add(owner_sums, g.to(sums_ptr.dtype.element_ty), mask=later[:, None] & col_ok, sem="relaxed")
@@ -258,6 +269,7 @@ def _scatter_kernel(
     padding_idx,
     scale,
     p,
+    keep_scale,
     PHASE: tl.constexpr,
     HAS_BASE: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -271,7 +283,7 @@ def _scatter_kernel(
     wait_for_producers(PDL)
     _scatter_phase(
         dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, base_ptr, seed_ptr, tl.program_id(0), tokens, dim,
-        rows, padding_idx, scale, p, PHASE, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
+        rows, padding_idx, scale, p, keep_scale, PHASE, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
     )  # fmt: skip
 
 
@@ -307,6 +319,7 @@ def _position_row(
     sequences,
     padding_idx,
     p,
+    keep_scale,
     DROPOUT: tl.constexpr,
     BLOCK_SEQUENCES: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
@@ -325,7 +338,7 @@ def _position_row(
         in_range = first + tl.arange(0, BLOCK_SEQUENCES) < sequences
         ids = tl.load(ids_ptr + token, mask=in_range, other=padding_idx)
         mask = (in_range & (ids != padding_idx))[:, None] & col_ok
-        acc += _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, DROPOUT, BLOCK_DIM)
+        acc += _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, keep_scale, DROPOUT, BLOCK_DIM)
     total = tl.sum(acc, axis=0)
     tl.store(table_ptr + row * dim + col, total.to(table_ptr.dtype.element_ty), mask=col < dim)
 
@@ -349,6 +362,7 @@ def _first_pass_kernel(
     padding_idx,
     scale,
     p,
+    keep_scale,
     scatter_programs,
     zero_programs,
     SCATTER: tl.constexpr,
@@ -372,7 +386,7 @@ def _first_pass_kernel(
         if SCATTER:
             _scatter_phase(
                 dy_ptr, ids_ptr, count_ptr, owner_ptr, sums_ptr, table_ptr, base_ptr, seed_ptr, pid, tokens, dim, rows,
-                padding_idx, scale, p, 0, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
+                padding_idx, scale, p, keep_scale, 0, HAS_BASE, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
             )  # fmt: skip
     elif pid < scatter_programs + zero_programs:
         if ZERO:
@@ -382,22 +396,26 @@ def _first_pass_kernel(
     elif POSITIONS:
         _position_row(
             dy_ptr, ids_ptr, pos_table_ptr, seed_ptr, pid - scatter_programs - zero_programs, dim, seq_len,
-            sequences, padding_idx, p, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
+            sequences, padding_idx, p, keep_scale, DROPOUT, BLOCK_TOKENS, BLOCK_DIM,
         )  # fmt: skip
 
 
 @triton.jit
-def _tokens_sum(dy_ptr, order_ptr, seed_ptr, begin, end, col, col_ok, dim, p, DROPOUT, BLOCK_TOKENS, BLOCK_DIM):
+def _tokens_sum(
+    dy_ptr, order_ptr, seed_ptr, begin, end, col, col_ok, dim, p, keep_scale, DROPOUT, BLOCK_TOKENS, BLOCK_DIM
+):
     """Sum of the gradient rows of tokens ``order[begin:end]``, in a fixed order (fp32)."""
     if end - begin == 1:
-        total = _row_gradient(dy_ptr, seed_ptr, tl.load(order_ptr + begin), col, col_ok, dim, p, DROPOUT, BLOCK_DIM)
+        total = _row_gradient(
+            dy_ptr, seed_ptr, tl.load(order_ptr + begin), col, col_ok, dim, p, keep_scale, DROPOUT, BLOCK_DIM
+        )
     else:
         acc = tl.zeros([BLOCK_TOKENS, BLOCK_DIM], dtype=tl.float32)
         for first in range(begin, end, BLOCK_TOKENS):
             place = first + tl.arange(0, BLOCK_TOKENS)
             token = tl.load(order_ptr + place, mask=place < end, other=0)
             mask = (place < end)[:, None] & col_ok[None, :]
-            acc += _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, DROPOUT, BLOCK_DIM)
+            acc += _tile_gradient(dy_ptr, seed_ptr, token, col, mask, dim, p, keep_scale, DROPOUT, BLOCK_DIM)
         total = tl.sum(acc, axis=0)
     return total
 
@@ -419,6 +437,7 @@ def _run_sum_kernel(
     padding_idx,
     scale,
     p,
+    keep_scale,
     COMBINE: tl.constexpr,
     HAS_BASE: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -455,7 +474,9 @@ def _run_sum_kernel(
     elif valid & ((i - start) % CHUNK == 0):
         p = tl.cast(p, tl.float32)
         end = tl.minimum(i + CHUNK, start + count)
-        total = _tokens_sum(dy_ptr, order_ptr, seed_ptr, i, end, col, col_ok, dim, p, DROPOUT, BLOCK_TOKENS, BLOCK_DIM)
+        total = _tokens_sum(
+            dy_ptr, order_ptr, seed_ptr, i, end, col, col_ok, dim, p, keep_scale, DROPOUT, BLOCK_TOKENS, BLOCK_DIM
+        )
         if count <= CHUNK:
             total *= tl.cast(scale, tl.float32)
             total = _plus_base(total, base_ptr, row * dim + col, col_ok, HAS_BASE)
@@ -501,7 +522,7 @@ def embedding_fwd(
     _embedding_fwd_kernel[(cdiv(tokens, plan.block_rows), cdiv(dim, plan.block_cols))](
         flat, flat_positions, weight, pos_weight, y, seed, count_ptr, owner_ptr,
         tokens, dim, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0],
-        ids.shape[-1], padding_idx, scale, p,
+        ids.shape[-1], padding_idx, scale, p, dropout_scale(p),
         HAS_POS=pos_weight is not None,
         EXPLICIT_POSITIONS=positions is not None,
         DROPOUT=seed is not None,
@@ -529,7 +550,7 @@ def _first_pass(dy, ids, counts, sums, table, pos_table, seq_len, padding_idx, s
     count_ptr, owner_ptr = (None, None) if counts is None else counts
     _first_pass_kernel[(programs, cdiv(dim, tiles.block_cols))](
         dy, ids, count_ptr, owner_ptr, sums, table, base, pos_table, seed,
-        tokens, dim, rows, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p,
+        tokens, dim, rows, seq_len, tokens // max(seq_len, 1), padding_idx, scale, p, dropout_scale(p),
         scatter_programs, zero_programs,
         SCATTER=scatter_programs > 0, ZERO=zero_programs > 0, HAS_BASE=base is not None,
         POSITIONS=pos_table is not None, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows,
@@ -567,7 +588,7 @@ def _table_gradient(
         tiles = gather_plan(dim)
         for phase in (1, 2):
             _scatter_kernel[(cdiv(tokens, tiles.block_rows), cdiv(dim, tiles.block_cols))](
-                dy, ids, *counts, sums, table, base, seed, tokens, dim, rows, padding_idx, scale, p,
+                dy, ids, *counts, sums, table, base, seed, tokens, dim, rows, padding_idx, scale, p, dropout_scale(p),
                 PHASE=phase, HAS_BASE=base is not None, DROPOUT=seed is not None, BLOCK_TOKENS=tiles.block_rows,
                 BLOCK_DIM=tiles.block_cols, num_warps=tiles.num_warps,
                 **_backend.dependent_launch(dy),
@@ -584,7 +605,7 @@ def _table_gradient(
     for combine in (False, True):
         _run_sum_kernel[(tokens, cdiv(dim, plan.block_cols))](
             dy, sorted_ids, key_offset, order, run_start, counts[0], partials, table, base, seed, dim, rows,
-            padding_idx, scale, p,
+            padding_idx, scale, p, dropout_scale(p),
             COMBINE=combine, HAS_BASE=base is not None, DROPOUT=seed is not None, CHUNK=_RUN_CHUNK,
             BLOCK_TOKENS=plan.block_rows, BLOCK_DIM=plan.block_cols, num_warps=plan.num_warps,
             **_backend.dependent_launch(dy),

@@ -29,6 +29,7 @@ __all__ = [
     "column_walkers",
     "dropout_keep",
     "dropout_mask",
+    "dropout_scale",
     "dropout_seeds",
     "elementwise_plan",
     "new_seed",
@@ -58,10 +59,27 @@ def dropout_keep(seed_ptr, rows, first_col, cols, p, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
-def apply_dropout(v, keep, p):
-    """``v * keep / (1 - p)`` in fp32. A product, not a select: a dropped NaN or inf stays
-    NaN, as in torch's ``x * mask * scale``, instead of hiding as a zero."""
-    return v * tl.where(keep, 1.0 / (1.0 - p), 0.0)
+def apply_dropout(v, keep, keep_scale):
+    """``v * keep * keep_scale`` in fp32 (``keep_scale`` from :func:`dropout_scale`). A
+    product, not a select: a dropped NaN or inf stays NaN, as in torch's
+    ``x * mask * scale``, instead of hiding as a zero."""
+    return v * tl.where(keep, tl.cast(keep_scale, tl.float32), 0.0)
+
+
+def dropout_scale(p: float) -> float:
+    """The factor kept elements are scaled by, ``1 / (1 - p)``, for a kernel launch.
+
+    Computed here in double and rounded to fp32 once, as torch's dropout does: a kernel's
+    own fp32 ``1 / (1 - p)`` from an fp32 ``p`` is off by a few ulp (9.9999976 for p = 0.9),
+    which an ill-conditioned consumer (LayerNorm over two columns) turns into large errors.
+
+    Args:
+        p: the drop probability, in [0, 1).
+
+    Returns:
+        ``1 / (1 - p)`` as a Python float.
+    """
+    return 1.0 / (1.0 - p)
 
 
 @triton.jit
