@@ -19,7 +19,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     Args:
         ignore_index, reduction, label_smoothing, z_loss: as in
             :func:`lstrain.ops.cross_entropy`.
-        chunk_bytes: memory for one chunk's logits (default 512 MiB).
+        chunk_bytes: the most memory one chunk's logits may take (default 512 MiB).
         fp32_weight_grad: how the chunks' weight gradients are summed (see
             :func:`lstrain.ops.linear_cross_entropy`; None chooses by memory).
 

@@ -49,26 +49,39 @@ from lstrain.ops.cross_entropy import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MAX_16BIT_SUMS",
+    "MIN_CHUNK_BYTES",
     "LinearCrossEntropyFunction",
     "chunk_rows",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
 ]
 
-# One chunk's logits. Every chunk after the first reads and writes the weight gradient
-# (V x D), so fewer, larger chunks cost less (docs/notes/linear_cross_entropy.md).
+# The most one chunk's logits may take. Every chunk after the first reads and writes the
+# weight gradient (V x D), so fewer, larger chunks cost less (docs/notes/linear_cross_entropy.md).
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Chunks whose weight gradients may be summed in a 16-bit dtype (one rounding each).
 MAX_16BIT_SUMS = 4
+# Logits that fit in MAX_16BIT_SUMS chunks are split into up to that many (a quarter of
+# the logits' memory for up to three more passes over a 16-bit weight gradient), of about
+# this size or more: below it the memory saved is not worth a launch.
+MIN_CHUNK_BYTES = 128 * 2**20
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Tokens per chunk so that a chunk's [rows, vocab] logits fit in ``chunk_bytes``.
 
+    Logits that fit in ``MAX_16BIT_SUMS`` such chunks are split evenly into chunks of about
+    ``MIN_CHUNK_BYTES`` (the nearest count), at most ``MAX_16BIT_SUMS`` of them: the weight
+    gradient can still be summed in its own dtype, and the peak holds a quarter of the
+    logits instead of all of them (LLaMA-0.75B's 8192 x 32000 bf16: 125 MiB, not 500).
     A multiple of 64 rows (GEMM tiles) when the budget allows, at least 1, at most ``tokens``.
     """
-    rows = max(1, chunk_bytes // max(1, vocab * element_size))
+    row_bytes = max(1, vocab * element_size)
+    rows = max(1, chunk_bytes // row_bytes)
+    if tokens <= MAX_16BIT_SUMS * rows:
+        chunks = max(1, min(MAX_16BIT_SUMS, (tokens * row_bytes + MIN_CHUNK_BYTES // 2) // MIN_CHUNK_BYTES))
+        rows = min(rows, cdiv(cdiv(tokens, chunks), 64) * 64)
     if rows >= 64:
         rows -= rows % 64
     return max(1, min(tokens, rows))
@@ -262,12 +275,13 @@ def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch
     if weight.dtype == torch.float32:
         return False  # the gradient itself is the fp32 sum
     tokens = hidden.shape[0]
-    chunks = cdiv(tokens, chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes))
+    rows = chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes)
+    chunks = cdiv(tokens, rows)
     if chunks <= 1:
         # one GEMM, accumulated in fp32 and rounded once either way: an fp32 buffer would
         # only cost its memory and cuBLAS's slower 16-bit-in, fp32-out kernels
         return False
-    return 4 * weight.numel() <= chunk_bytes or chunks > MAX_16BIT_SUMS
+    return 4 * weight.numel() <= rows * weight.shape[0] * hidden.element_size() or chunks > MAX_16BIT_SUMS
 
 
 def _validate(hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, chunk_bytes):
@@ -327,14 +341,15 @@ def linear_cross_entropy(
         bias: optional ``[V]``, same dtype.
         label_smoothing, ignore_index, reduction, z_loss, check_targets: as in
             :func:`lstrain.ops.cross_entropy`.
-        chunk_bytes: memory for one chunk's logits (default 512 MiB).
+        chunk_bytes: the most memory one chunk's logits may take (default 512 MiB; see
+            :func:`chunk_rows` for how tokens are split under it).
         fp32_weight_grad: True to sum the chunks' weight gradients in an fp32 [V, D]
             buffer, so that the weight gradient is rounded once rather than once per
             chunk, at the cost of 4 x V x D bytes while the loss runs; False to add each
             chunk's (fp32-accumulated) product to the gradient in the weight's dtype;
             None (default): with one chunk the weight's dtype (one GEMM, one rounding),
-            else the fp32 buffer when it is no larger than ``chunk_bytes`` or there are
-            more than ``MAX_16BIT_SUMS`` chunks.
+            else the fp32 buffer when it is no larger than one chunk's logits or there
+            are more than ``MAX_16BIT_SUMS`` chunks.
 
     Returns:
         The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).
