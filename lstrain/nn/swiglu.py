@@ -23,12 +23,17 @@ class SwiGLUMLP(torch.nn.Module):
     Args:
         hidden_size: D.
         intermediate_size: F.
+        keep_activation: keep silu(gate) * up for backward (F values per token) instead
+            of writing it again there (see :func:`lstrain.ops.swiglu_mlp`).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, device=None, dtype=None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, device=None, dtype=None, *, keep_activation: bool = False
+    ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.keep_activation = keep_activation
         bound_in, bound_out = hidden_size**-0.5, intermediate_size**-0.5
         gate_up = torch.empty(hidden_size, 2 * intermediate_size, device=device, dtype=dtype).uniform_(
             -bound_in, bound_in
@@ -39,10 +44,13 @@ class SwiGLUMLP(torch.nn.Module):
         self._register_state_dict_hook(_to_separate_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(x, self.gate_up_weight, self.down_weight)
+        return swiglu_mlp(x, self.gate_up_weight, self.down_weight, keep_activation=self.keep_activation)
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"keep_activation={self.keep_activation}"
+        )
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -264,6 +264,7 @@ def _swiglu_grad_half(
     h_ptr,
     dh_ptr,
     dh_desc,
+    a_ptr,
     row0,
     rows,
     unit_start,
@@ -275,9 +276,11 @@ def _swiglu_grad_half(
     PAIR: tl.constexpr,
     BLOCK_F: tl.constexpr,
     DH_TMA: tl.constexpr,
+    STORE_A: tl.constexpr,
 ):
     """The epilogue for dA of BLOCK_F units from ``unit_start`` (counted in the launch):
-    dgate and dup over their gate and up tiles of h. DH_TMA: they leave through ``dh_desc``
+    dgate and dup over their gate and up tiles of h; STORE_A: also a, recomputed from h as
+    the forward computed it (the same bits). DH_TMA: they leave through ``dh_desc``
     (a [BLOCK_M, BLOCK_F] TMA descriptor over dh; whole pair blocks only), asynchronously,
     so that the next quarter's loads of h start while the store drains. h, which dh may be,
     is read before its tile is written, by this program alone."""
@@ -291,6 +294,9 @@ def _swiglu_grad_half(
     sig = tl.sigmoid(gate)
     d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
     d_up = (da * gate * sig).to(dh_ptr.dtype.element_ty)
+    if STORE_A:
+        units = _aligned_run(first_unit + unit_start, BLOCK_F)
+        tl.store(a_ptr + rows[:, None] * F + units[None, :], (gate * sig * up).to(a_ptr.dtype.element_ty), mask=mask)
     if DH_TMA:
         dh_desc.store([row0, gate_col.to(tl.int32)], d_gate)
         dh_desc.store([row0, (gate_col + up_offset).to(tl.int32)], d_up)
@@ -306,6 +312,7 @@ def _swiglu_bwd_kernel(
     h_ptr,
     dh_ptr,
     dh_desc,
+    a_ptr,
     M,
     F,
     K,
@@ -324,10 +331,12 @@ def _swiglu_bwd_kernel(
     GROUP_M: tl.constexpr,
     QUARTERS: tl.constexpr,
     DH_TMA: tl.constexpr,
+    STORE_A: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
-    epilogue into dgate and dup. dh may be h itself: each tile is read before it is written.
+    epilogue into dgate and dup (and a, with STORE_A). dh may be h itself: each tile is
+    read before it is written.
 
     A program owns 2 * BLOCK_F units: the mainloop runs at twice the width the epilogue
     can hold in registers (it needs gate and up beside dA), so the epilogue takes one half
@@ -353,30 +362,30 @@ def _swiglu_bwd_kernel(
             QUARTER: tl.constexpr = BLOCK_F // 2
             da00, da01 = _halves(da0, BLOCK_M, QUARTER)
             _swiglu_grad_half(
-                da00, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR,
-                QUARTER, DH_TMA,
+                da00, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start, M, F, first_unit, units_here, up_offset,
+                PAIR, QUARTER, DH_TMA, STORE_A,
             )  # fmt: skip
             _swiglu_grad_half(
-                da01, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + QUARTER, M, F, first_unit, units_here,
-                up_offset, PAIR, QUARTER, DH_TMA,
+                da01, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + QUARTER, M, F, first_unit, units_here,
+                up_offset, PAIR, QUARTER, DH_TMA, STORE_A,
             )  # fmt: skip
             da10, da11 = _halves(da1, BLOCK_M, QUARTER)
             _swiglu_grad_half(
-                da10, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
-                up_offset, PAIR, QUARTER, DH_TMA,
+                da10, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
+                up_offset, PAIR, QUARTER, DH_TMA, STORE_A,
             )  # fmt: skip
             _swiglu_grad_half(
-                da11, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit,
-                units_here, up_offset, PAIR, QUARTER, DH_TMA,
+                da11, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit,
+                units_here, up_offset, PAIR, QUARTER, DH_TMA, STORE_A,
             )  # fmt: skip
         else:
             _swiglu_grad_half(
-                da0, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start, M, F, first_unit, units_here, up_offset, PAIR,
-                BLOCK_F, DH_TMA,
+                da0, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start, M, F, first_unit, units_here, up_offset,
+                PAIR, BLOCK_F, DH_TMA, STORE_A,
             )  # fmt: skip
             _swiglu_grad_half(
-                da1, h_ptr, dh_ptr, dh_desc, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
-                up_offset, PAIR, BLOCK_F, DH_TMA,
+                da1, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
+                up_offset, PAIR, BLOCK_F, DH_TMA, STORE_A,
             )  # fmt: skip
 
 
@@ -458,14 +467,17 @@ def swiglu_fwd(
     return a, h
 
 
-def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: torch.Tensor) -> None:
+def swiglu_bwd(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, a: torch.Tensor | None = None
+) -> None:
     """Write dh [M, 2F] (pair layout) from dy [M, D], w_down [F, D] and the saved h; ``dh``
-    may be ``h`` itself.
+    may be ``h`` itself. With ``a`` ([M, F]) also the activation, recomputed from h with
+    the forward's bits, for dW_down where forward did not keep it.
 
     A program computes dA for 2 * block_f units (the GEMM's full tile width) and runs the
     epilogue on a quarter of them at a time (a half for narrow tiles), which is what its
     registers hold beside the accumulator without spilling (halves spill); 256-wide dA
-    tiles beat 128-wide ones, and recomputing a here (to save storing it in forward) lost.
+    tiles beat 128-wide ones.
     One persistent program per SM, its tile loop flattened into the K loop, three pipeline
     stages rather than the GEMM plan's four (less shared memory): each measured faster.
     Whole pair blocks store dh through a TMA descriptor (16-bit, 16-byte aligned rows),
@@ -498,11 +510,12 @@ def swiglu_bwd(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: to
             else None
         )
         _swiglu_bwd_kernel[grid](
-            dy2d, w_down, h, dh, dh_desc, m, f, d, first, units,
+            dy2d, w_down, h, dh, dh_desc, a, m, f, d, first, units,
             dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
             TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            DH_TMA=dh_desc is not None, num_warps=plan.num_warps, num_stages=plan.stages(True),
+            DH_TMA=dh_desc is not None, STORE_A=a is not None, num_warps=plan.num_warps,
+            num_stages=plan.stages(True),
             **_backend.dependent_launch(dy2d),
         )  # fmt: skip
 
@@ -535,6 +548,23 @@ def swiglu_bwd_new_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor)
     return torch.empty_like(h)
 
 
+def swiglu_bwd_recompute(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_bwd` into a new dh, and the activation a recomputed beside it."""
+    dh = torch.empty_like(h)
+    a = h.new_empty((h.shape[0], h.shape[1] // 2))
+    swiglu_bwd(dy2d, w_down, h, dh, a)
+    return dh, a
+
+
+@kernel_op("swiglu_bwd_recompute", swiglu_bwd_recompute)
+def swiglu_bwd_recompute_op(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(h), h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[tokens, t.shape[-1]]``, strides kept where a view can; ``reshape(-1, 0)``
     cannot count the tokens of a zero-width tensor."""
@@ -542,36 +572,45 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """Autograd for :func:`swiglu_mlp`. Saves x, the weights, h and a; outside
+    """Autograd for :func:`swiglu_mlp`. Saves x, the weights, h and, with
+    ``keep_activation``, a (else backward's kernel writes a again beside dh); outside
     torch.compile dh is written over h unless the graph is retained for another backward."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down):
+    def forward(ctx, x, w_gate_up, w_down, keep_activation):
         x2d = _rows(x)
         a, h = swiglu_fwd_op(x2d, w_gate_up)
         y = a @ w_down
-        ctx.save_for_backward(x2d, w_gate_up, w_down, h, a)
+        ctx.save_for_backward(x2d, w_gate_up, w_down, h, *((a,) if keep_activation else ()))
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], w_down.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("swiglu_mlp")
-        x2d, w_gate_up, w_down, h, a = ctx.saved_tensors
+        x2d, w_gate_up, w_down, h, *kept = ctx.saved_tensors
         dy2d = _rows(dy)
+        needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dh, a = None, (kept[0] if kept else None)
+        if needs_dh or a is None:  # the kernel that writes dh is the one that writes a again
+            if torch.compiler.is_compiling():
+                if a is None:
+                    dh, a = swiglu_bwd_recompute_op(dy2d, w_down, h)
+                else:
+                    dh = swiglu_bwd_new_op(dy2d, w_down, h)
+            else:
+                # over h where the graph goes with this backward: one [tokens, 2F] buffer fewer
+                dh = h if graph_freed_after_backward() else torch.empty_like(h)
+                recomputed = h.new_empty((h.shape[0], h.shape[1] // 2)) if a is None else None
+                swiglu_bwd(dy2d, w_down, h, dh, recomputed)
+                a = a if recomputed is None else recomputed
         # weight gradients in the weights' layouts: a w.t() view's gradient reaches .grad contiguous
         dw_down = matmul_like(a.t(), dy2d, w_down) if ctx.needs_input_grad[2] else None
-        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-            return None, None, dw_down
-        if torch.compiler.is_compiling():
-            dh = swiglu_bwd_new_op(dy2d, w_down, h)
-        else:
-            # over h where the graph goes with this backward: one [tokens, 2F] buffer fewer
-            dh = h if graph_freed_after_backward() else torch.empty_like(h)
-            swiglu_bwd(dy2d, w_down, h, dh)
+        if not needs_dh:
+            return None, None, dw_down, None
         dx = (dh @ w_gate_up.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dw_gate_up = matmul_like(x2d.t(), dh, w_gate_up) if ctx.needs_input_grad[1] else None
-        return dx, dw_gate_up, dw_down
+        return dx, dw_gate_up, dw_down, None
 
 
 def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -613,26 +652,35 @@ def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return gate, up
 
 
-def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def swiglu_mlp(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *, keep_activation: bool = False
+) -> torch.Tensor:
     """``(silu(x @ W_gate) * (x @ W_up)) @ w_down`` with SwiGLU fused into GEMM epilogues.
 
     Under ``torch.autocast``, x and the weights are first cast to its dtype, as a
-    matmul's inputs are.
+    matmul's inputs are. Backward keeps x and h = x @ [W_gate, W_up]; the activation a
+    (F values per token), which dW_down needs, is written again by backward's first kernel
+    from h, with the forward's bits, unless ``keep_activation``.
 
     Args:
         x: ``[*, D]``, float16/bfloat16/float32.
         w_gate_up: ``[D, 2F]`` in the pair layout (see :func:`pack_gate_up`), x's dtype;
             any strides, fastest row-major (a ``.t()`` view of a [2F, D] matrix is slower).
         w_down: ``[F, D_out]``, x's dtype; backward copies it first unless it is contiguous.
+        keep_activation: keep a from forward for backward: a third more saved memory
+            than h alone, for one store fewer in backward (docs/notes/swiglu.md).
 
     Returns:
         ``[*, D_out]`` in x's dtype.
 
     Raises:
-        ValueError: a 0-d x, or mismatched shapes, dtypes or devices.
+        ValueError: a 0-d x, mismatched shapes, dtypes or devices, or a
+            ``keep_activation`` that is not a bool.
         RuntimeError: (from backward) ``create_graph=True``: second derivatives are not
             supported.
     """
+    if not isinstance(keep_activation, bool):
+        raise ValueError(f"swiglu_mlp: keep_activation must be a bool, got {keep_activation!r}")
     x, w_gate_up, w_down = autocast_inputs(x, w_gate_up, w_down)
     if x.dim() == 0:
         raise ValueError("swiglu_mlp: x must be [*, D] (at least one dim), got a 0-d tensor")
@@ -655,7 +703,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     if backend == "reference":
         return swiglu_mlp_ref(x, w_gate_up, w_down)
     if differentiated(x, w_gate_up, w_down):
-        return SwiGLUFunction.apply(x, w_gate_up, w_down)
+        return SwiGLUFunction.apply(x, w_gate_up, w_down, keep_activation)
     # inference: h, which only backward reads, is not even written
     x2d = _rows(x)
     a = swiglu_fwd_activation_op(x2d, w_gate_up)

@@ -107,12 +107,13 @@ def test_dtype_mismatch(device):
         )
 
 
-def test_torch_compile_fullgraph(device):
+@pytest.mark.parametrize("keep_activation", [False, True])
+def test_torch_compile_fullgraph(device, keep_activation):
     w = torch.randn(8, 12, device=device, requires_grad=True)
     wd = torch.randn(6, 8, device=device, requires_grad=True)
 
     def f(x):
-        return swiglu_mlp(x, w, wd).square().sum()
+        return swiglu_mlp(x, w, wd, keep_activation=keep_activation).square().sum()
 
     compiled = torch.compile(f, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
     x = torch.randn(5, 8, device=device)
@@ -131,6 +132,7 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.lstrain.swiglu_fwd_activation, (x, w))
     _, h = torch.ops.lstrain.swiglu_fwd(x, w)
     torch.library.opcheck(torch.ops.lstrain.swiglu_bwd, (torch.randn(5, 8, device=device), wd, h))
+    torch.library.opcheck(torch.ops.lstrain.swiglu_bwd_recompute, (torch.randn(5, 8, device=device), wd, h))
 
 
 @pytest.mark.parametrize("tokens, intermediate", [(5, 300), (4096, 1068)])
@@ -214,17 +216,19 @@ def test_a_retained_graph_keeps_the_saved_activations(device):
         torch.testing.assert_close(again, one)
 
 
+@pytest.mark.parametrize("keep_activation", [False, True])
 @pytest.mark.parametrize("wanted", [(True, False, False), (False, True, False), (False, False, True), (True,) * 3])
-def test_gradients_of_any_subset_of_inputs(device, wanted):
+def test_gradients_of_any_subset_of_inputs(device, wanted, keep_activation):
     """Each gradient alone and all three, with F = 300: two whole pair blocks, launched as two
-    halves of the units in backward (a is recomputed per half), and the partial block."""
+    halves of the units in backward, and the partial block; dW_down alone still needs a,
+    which backward's kernel writes again unless it was kept."""
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = [torch.randn(s, device=device, generator=gen) for s in ((9, 8), (8, 2 * 300), (300, 8))]
     ours = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     ref = [t.double().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
     dy = torch.randn(9, 8, device=device, generator=gen)
     with record_backends() as ran:
-        y = swiglu_mlp(*ours)
+        y = swiglu_mlp(*ours, keep_activation=keep_activation)
         grads = torch.autograd.grad(y, [t for t in ours if t.requires_grad], dy)
     assert ran == [("swiglu_mlp", EXPECTED_BACKEND)]
     y_ref = swiglu_mlp_ref(*ref)
@@ -299,3 +303,40 @@ def test_a_shared_dtype_that_is_not_supported_is_named(device):
     """float64 everywhere is 'shared', so the message lists the dtypes that are supported."""
     with pytest.raises(ValueError, match=r"float32, float16 or bfloat16\), got torch.float64, torch.float64"):
         swiglu_mlp(*(torch.randn(s, device=device, dtype=torch.float64) for s in ((2, 4), (4, 6), (3, 4))))
+
+
+# 1000 tokens, F 2100: 16-bit whole pair blocks through the TMA path (a partial row tile) and
+# a partial pair block; F 300 in fp32: the two-accumulator tiles of a partial block
+@pytest.mark.parametrize("tokens, dim, units", [(1000, 16, 2100), (9, 8, 300)])
+def test_recomputed_activation_is_the_kept_one_bit_for_bit(device, tokens, dim, units):
+    """Backward writes a again from h with the forward's arithmetic: the same gradients to the
+    bit as with a kept, and the [tokens, F] activation is not among the saved tensors."""
+    low = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    dtype = low if units > 1000 else torch.float32
+    gen = torch.Generator(device=device).manual_seed(5)
+    x, w, wd = (
+        (torch.randn(s, device=device, generator=gen) / s[0] ** 0.5).to(dtype)
+        for s in ((tokens, dim), (dim, 2 * units), (units, dim))
+    )
+    dy = torch.randn(tokens, dim, device=device, generator=gen).to(dtype)
+    results = {}
+    for keep in (True, False):
+        inputs = [t.clone().requires_grad_() for t in (x, w, wd)]
+        shapes = []
+
+        def pack(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = swiglu_mlp(*inputs, keep_activation=keep)
+        results[keep] = (y, *torch.autograd.grad(y, inputs, dy))
+        assert ((tokens, units) in shapes) == keep
+    for kept, recomputed in zip(results[True], results[False], strict=True):
+        assert torch.equal(kept, recomputed)
+
+
+def test_keep_activation_must_be_a_bool(device):
+    x, w, wd = torch.randn(2, 4, device=device), torch.randn(4, 6, device=device), torch.randn(3, 4, device=device)
+    with pytest.raises(ValueError, match="keep_activation must be a bool, got 1"):
+        swiglu_mlp(x, w, wd, keep_activation=1)
