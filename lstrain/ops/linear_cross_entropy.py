@@ -61,27 +61,41 @@ __all__ = [
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Chunks whose weight gradients may be summed in a 16-bit dtype (one rounding each).
 MAX_16BIT_SUMS = 4
-# Logits that fit in MAX_16BIT_SUMS chunks are split into up to that many (a quarter of
-# the logits' memory for up to three more passes over a 16-bit weight gradient), of about
-# this size or more: below it the memory saved is not worth a launch.
+# 16-bit logits that fit in MAX_16BIT_SUMS chunks are split into up to that many (a
+# quarter of the logits' memory for up to three more passes over a 16-bit weight
+# gradient), of about this size: below it the memory saved is not worth a launch.
 MIN_CHUNK_BYTES = 128 * 2**20
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, dim: int = 0) -> int:
     """Tokens per chunk so that a chunk's [rows, vocab] logits fit in ``chunk_bytes``.
 
-    Logits that fit in ``MAX_16BIT_SUMS`` such chunks are split evenly into chunks of about
-    ``MIN_CHUNK_BYTES`` (the nearest count), at most ``MAX_16BIT_SUMS`` of them: the weight
-    gradient can still be summed in its own dtype, and the peak holds a quarter of the
-    logits instead of all of them (LLaMA-0.75B's 8192 x 32000 bf16: 125 MiB, not 500).
+    16-bit logits that fit in ``MAX_16BIT_SUMS`` such chunks are split evenly into chunks
+    of about ``MIN_CHUNK_BYTES`` (the nearest count), at most ``MAX_16BIT_SUMS``, when
+    the weight gradient's sum then stays in its 16-bit dtype (an fp32 [vocab, dim] sum
+    would be larger than one chunk): each more chunk costs one pass over the 16-bit weight
+    gradient, and the peak holds a quarter of the logits instead of all of them
+    (LLaMA-0.75B's 8192 x 32000 bf16: 125 MiB, not 500). Where the sum is fp32 every
+    chunk costs a pass over 4 x vocab x dim bytes, and the budget alone decides.
     A multiple of 64 rows (GEMM tiles) when the budget allows, at least 1, at most ``tokens``.
+
+    Args:
+        tokens, vocab: the logits' shape.
+        element_size: bytes per logit (the inputs' dtype).
+        chunk_bytes: the most one chunk's logits may take.
+        dim: the hidden width (0: none given, no split).
+
+    Returns:
+        The rows per chunk.
     """
     row_bytes = max(1, vocab * element_size)
     rows = max(1, chunk_bytes // row_bytes)
-    if tokens <= MAX_16BIT_SUMS * rows:
+    if element_size == 2 and tokens <= MAX_16BIT_SUMS * rows:
         chunks = max(1, min(MAX_16BIT_SUMS, (tokens * row_bytes + MIN_CHUNK_BYTES // 2) // MIN_CHUNK_BYTES))
-        rows = min(rows, cdiv(cdiv(tokens, chunks), 64) * 64)
+        split = cdiv(cdiv(tokens, chunks), 64) * 64
+        if chunks > 1 and 4 * vocab * dim > split * row_bytes:
+            rows = min(rows, split)
     if rows >= 64:
         rows -= rows % 64
     return max(1, min(tokens, rows))
@@ -188,7 +202,7 @@ def _chunk_logits(hidden_c: torch.Tensor, padded_weight: torch.Tensor, vocab: in
 
 
 def _chunks(tokens: int, vocab: int, hidden: torch.Tensor, chunk_bytes: int):
-    step = chunk_rows(tokens, vocab, hidden.element_size(), chunk_bytes)
+    step = chunk_rows(tokens, vocab, hidden.element_size(), chunk_bytes, hidden.shape[1])
     return (slice(start, min(tokens, start + step)) for start in range(0, tokens, step))
 
 
@@ -275,7 +289,7 @@ def _fp32_sum(fp32_weight_grad: bool | None, hidden: torch.Tensor, weight: torch
     if weight.dtype == torch.float32:
         return False  # the gradient itself is the fp32 sum
     tokens = hidden.shape[0]
-    rows = chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes)
+    rows = chunk_rows(tokens, weight.shape[0], hidden.element_size(), chunk_bytes, hidden.shape[1])
     chunks = cdiv(tokens, rows)
     if chunks <= 1:
         # one GEMM, accumulated in fp32 and rounded once either way: an fp32 buffer would

@@ -57,15 +57,20 @@ def test_chunk_rows_fit_the_budget():
         assert 1 <= rows <= tokens and (rows == 1 or rows * vocab * 2 <= DEFAULT_CHUNK_BYTES)
 
 
-
-def test_logits_that_fit_four_chunks_split_into_chunks_of_about_128_mib():
-    assert chunk_rows(8192, 32000, 2) == 2048  # LLaMA-0.75B's head: 4 x 125 MiB, not one of 500 MiB
-    assert chunk_rows(4096, 32000, 2) == 2048  # 250 MiB: two
-    assert chunk_rows(1229, 30522, 2) == 1229  # BERT-large's masked rows, 72 MiB: one
-    assert chunk_rows(8192, 151936, 2) == 1728  # more than four budgets' worth: the budget decides
+def test_16_bit_logits_that_fit_four_chunks_split_where_the_sum_stays_16_bit():
+    assert chunk_rows(8192, 32000, 2, dim=2048) == 2048  # LLaMA-0.75B's head: 4 x 125 MiB, not one of 500 MiB
+    assert chunk_rows(4096, 32000, 2, dim=2048) == 2048  # 250 MiB: two
+    assert chunk_rows(1229, 30522, 2, dim=1024) == 1229  # BERT-large's masked rows, 72 MiB: one
+    assert chunk_rows(8192, 151936, 2, dim=4096) == 1728  # more than four budgets' worth: the budget decides
+    # GPT-2 medium: four chunks would make the fp32 sum (206 MB) no larger than a chunk, and
+    # each chunk a pass over it: the budget's two chunks
+    assert chunk_rows(8192, 50257, 2, dim=1024) == 5312
+    assert chunk_rows(8192, 32000, 4, dim=2048) == chunk_rows(8192, 32000, 4)  # fp32 logits: the budget
+    assert chunk_rows(8192, 32000, 2) == 8192  # no width given: no split
     hidden = torch.empty(8192, 2048, dtype=torch.bfloat16, device="meta")
     head = torch.empty(32000, 2048, dtype=torch.bfloat16, device="meta")
     assert not _fp32_sum(None, hidden, head, DEFAULT_CHUNK_BYTES)  # a 250 MiB fp32 sum > a 125 MiB chunk
+
 
 def test_same_as_logits_then_cross_entropy(device):
     torch.manual_seed(0)
