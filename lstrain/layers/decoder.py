@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 import lstrain.nn
+from lstrain.layers.recompute import RecomputedNorms
 from lstrain.layers.rotary import RotaryAttention
 from lstrain.layers.swiglu import SwiGLU
-from lstrain.ops import add_rms_norm
+from lstrain.ops import add_rms_norm, rms_norm
 
 __all__ = ["DecoderLayer", "add_norm"]
 
@@ -51,7 +52,11 @@ class DecoderLayer(torch.nn.Module):
     residual add done inside the next RMSNorm's kernel (:func:`lstrain.ops.add_rms_norm`,
     forward and backward): the layer hands its MLP output and the residual stream on
     separately, and the next layer's ``input_layernorm`` (or the model's final norm) adds
-    them. Unfused: ``torch.nn.RMSNorm``, plain adds and the same layers in plain torch ops.
+    them. With ``recompute_norms`` (fused, the default) the two norm outputs, which the q/k/v
+    projection and the MLP save for their weight gradients, are made again in backward from
+    the residual stream the norms keep anyway (:class:`lstrain.layers.RecomputedNorms`): two
+    [tokens, dim] tensors a layer fewer kept, for one read and one write of each in
+    backward. Unfused: ``torch.nn.RMSNorm``, plain adds and the same layers in plain torch ops.
 
     Args:
         dim: model width.
@@ -61,6 +66,8 @@ class DecoderLayer(torch.nn.Module):
         attention_bias: biases on the attention's projections.
         attn_dropout: dropout of the attention probabilities.
         fused: lstrain's kernels, or plain torch ops.
+        recompute_norms: with ``fused``, make the norm outputs again in backward rather
+            than keep them (an attribute: may be switched on a built layer).
         device, dtype: of the parameters.
 
     Raises:
@@ -84,11 +91,13 @@ class DecoderLayer(torch.nn.Module):
         attention_bias: bool = False,
         attn_dropout: float = 0.0,
         fused: bool = True,
+        recompute_norms: bool = True,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.fused = fused
+        self.recompute_norms = recompute_norms
         factory = {"device": device, "dtype": dtype}
         norm = lstrain.nn.RMSNorm if fused else torch.nn.RMSNorm
         # HF's order, so the state_dict's keys come in HF's order too
@@ -105,10 +114,20 @@ class DecoderLayer(torch.nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, normed = x, self.input_layernorm(x)
-        else:
-            normed, residual = add_norm(self.input_layernorm, x, residual, self.fused)
-        attn = self.self_attn(normed, cos, sin, key_padding_mask)
-        normed, residual = add_norm(self.post_attention_layernorm, attn, residual, self.fused)
-        return self.mlp(normed), residual
+        with RecomputedNorms(enabled=self.fused and self.recompute_norms) as norms:
+            if residual is None:
+                residual, normed = x, self.input_layernorm(x)
+            else:
+                normed, residual = add_norm(self.input_layernorm, x, residual, self.fused)
+            normed = norms.register(normed, _renorm(self.input_layernorm, residual))
+            attn = self.self_attn(normed, cos, sin, key_padding_mask)
+            normed, residual = add_norm(self.post_attention_layernorm, attn, residual, self.fused)
+            normed = norms.register(normed, _renorm(self.post_attention_layernorm, residual))
+            return self.mlp(normed), residual
+
+
+def _renorm(norm: lstrain.nn.RMSNorm, stream: torch.Tensor):
+    """What makes ``norm``'s output again from the residual stream it normalised: the same
+    kernel arithmetic on the same stored sum, so the same bits."""
+    weight = None if norm.weight is None else norm.weight.detach()
+    return lambda: rms_norm(stream.detach(), norm.normalized_shape, weight, norm.eps)

@@ -1,0 +1,89 @@
+"""Norm outputs saved for backward as a way to make them again, not as tensors.
+
+A pre-norm layer's RMSNorm output feeds a projection, which saves it for its weight
+gradient: one [tokens, D] tensor per norm, kept from forward to backward (0.78 GiB of
+LLaMA-0.75B's 4 x 2048 step). The norm's own backward already keeps its input and the
+kernel that made the output is cheap (one read, one write), so inside
+:class:`RecomputedNorms` a saved tensor that is a registered norm output is packed as its
+recipe and made again, with the same bits, when backward unpacks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["RecomputedNorms"]
+
+
+class _Recipe:
+    """A saved norm output: the function that makes the whole output again, and the view of
+    it that was saved."""
+
+    __slots__ = ("make", "offset", "shape", "stride")
+
+    def __init__(self, make: Callable[[], torch.Tensor], saved: torch.Tensor) -> None:
+        self.make = make
+        self.shape, self.stride, self.offset = saved.shape, saved.stride(), saved.storage_offset()
+
+    def unpack(self) -> torch.Tensor:
+        return self.make().as_strided(self.shape, self.stride, self.offset)
+
+
+class RecomputedNorms:
+    """Context in which saved tensors that are (views of) registered norm outputs are saved
+    as recipes: ``make()`` runs again in backward, wherever autograd unpacks one.
+
+    The registered outputs are held until the context exits, so that no tensor allocated
+    meanwhile can take a registered output's memory and be mistaken for it; after that
+    nothing holds them and they are freed. ``make`` must return a new contiguous tensor
+    equal to the output (as the norm's forward kernel run again on the norm's saved input
+    does), and hold only tensors that backward keeps anyway.
+
+    Nothing is repacked, and no hooks are installed, without grad mode, under
+    ``torch.compile`` (Inductor's partitioner decides what to recompute) or when not
+    ``enabled``.
+
+    Args:
+        enabled: False makes the context and :meth:`register` do nothing.
+
+    Example::
+
+        with RecomputedNorms() as norms:
+            normed = norms.register(rms_norm(h, (d,), w), lambda: rms_norm(h, (d,), w))
+            y = normed @ weight  # saves a recipe, not normed
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._makers: dict[int, tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
+        self._hooks = None
+
+    def register(self, output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Mark ``output`` (contiguous) as made again by ``make`` when saved; returns it."""
+        if self._hooks is not None:
+            self._makers[output.untyped_storage().data_ptr()] = (output, make)
+        return output
+
+    def _pack(self, saved: torch.Tensor):
+        entry = self._makers.get(saved.untyped_storage().data_ptr()) if saved.device.type != "meta" else None
+        if entry is None or entry[0].untyped_storage().nbytes() != saved.untyped_storage().nbytes():
+            return saved
+        return _Recipe(entry[1], saved)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.unpack() if isinstance(packed, _Recipe) else packed
+
+    def __enter__(self) -> RecomputedNorms:
+        if self.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+        self._makers.clear()

@@ -1,0 +1,100 @@
+"""lstrain.layers.RecomputedNorms and the decoder layer's recomputed norm outputs."""
+
+import pytest
+import torch
+
+from lstrain.layers import RecomputedNorms
+from lstrain.layers import recompute as recompute_module
+from lstrain.models import Llama, LlamaConfig
+from lstrain.ops import rms_norm
+from tests.conftest import DEVICE
+
+TINY = LlamaConfig(
+    vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=16,
+)  # fmt: skip
+
+
+def test_a_registered_output_is_saved_as_a_recipe_and_made_again_in_backward():
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    proj = torch.randn(16, 8, device=DEVICE, requires_grad=True)
+    calls = []
+
+    def make():
+        calls.append(1)
+        return rms_norm(h.detach(), (16,), w.detach())
+
+    def step(recompute):
+        with RecomputedNorms(enabled=recompute) as norms:
+            normed = norms.register(rms_norm(h, (16,), w), make)
+            return (normed.view(2, 3, 16) @ proj).square().sum()  # a view of it is saved
+
+    grads = {}
+    for recompute in (False, True):
+        loss = step(recompute)
+        grads[recompute] = torch.autograd.grad(loss, (h, w, proj))
+    assert len(calls) == 1  # only the recomputing step made it again, once
+    for kept, made in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(kept, made)
+
+
+def test_nothing_is_repacked_without_grad_or_when_disabled():
+    x = torch.randn(4, 8, device=DEVICE)
+    with torch.no_grad(), RecomputedNorms() as norms:
+        assert norms.register(x, lambda: x) is x and not norms._makers
+    with RecomputedNorms(enabled=False) as norms:
+        assert norms.register(x, lambda: x) is x and not norms._makers
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_llama_with_recomputed_norms_gives_the_same_bits_and_keeps_less(monkeypatch, padding):
+    """Both norm outputs of every layer are saved as recipes (the hooks' own bookkeeping:
+    saved_tensors_hooks do not nest, so an outer counter would see nothing inside), and the
+    loss and every gradient keep their bits."""
+    made = []
+    init = recompute_module._Recipe.__init__
+
+    def counting_init(self, make, saved):
+        made.append(make)
+        init(self, make, saved)
+
+    monkeypatch.setattr(recompute_module._Recipe, "__init__", counting_init)
+    torch.manual_seed(0)
+    model = Llama(TINY, device=DEVICE)
+    ids = torch.randint(0, TINY.vocab_size, (2, 12), device=DEVICE)
+    mask = torch.ones_like(ids)
+    if padding:
+        mask[-1, -4:] = 0
+    results = {}
+    for recompute in (False, True):
+        for layer in model.model.layers:
+            layer.recompute_norms = recompute
+        made.clear()
+        loss = model(ids, labels=ids, attention_mask=mask).loss
+        results[recompute] = (loss.detach(), torch.autograd.grad(loss, list(model.parameters())))
+        assert len({id(make) for make in made}) == (2 * TINY.num_hidden_layers if recompute else 0)
+    (loss_kept, grads_kept), (loss_made, grads_made) = results[False], results[True]
+    assert torch.equal(loss_kept, loss_made)
+    for a, b in zip(grads_kept, grads_made, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_llama_keeps_two_norm_outputs_a_layer_fewer_on_the_gpu():
+    config = LlamaConfig(**{**vars(TINY), "hidden_size": 256, "num_attention_heads": 4, "head_dim": None})
+    torch.manual_seed(0)
+    model = Llama(config, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (4, 16), device="cuda")
+    held = {}
+    for recompute in (False, True):
+        for layer in model.model.layers:
+            layer.recompute_norms = recompute
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(ids, labels=ids).loss
+        held[recompute] = torch.cuda.memory_allocated() - before
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    stream = ids.numel() * config.hidden_size * 2  # one bf16 [tokens, D] norm output
+    assert held[False] - held[True] == 2 * config.num_hidden_layers * stream
