@@ -10,11 +10,15 @@ recipe and made again, with the same bits, when backward unpacks it.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["RecomputedNorms"]
+__all__ = ["RecomputedNorms", "register_norm_output"]
+
+_active = threading.local()
 
 
 class _Recipe:
@@ -35,15 +39,16 @@ class RecomputedNorms:
     """Context in which saved tensors that are (views of) registered norm outputs are saved
     as recipes: ``make()`` runs again in backward, wherever autograd unpacks one.
 
-    The registered outputs are held until the context exits, so that no tensor allocated
-    meanwhile can take a registered output's memory and be mistaken for it; after that
-    nothing holds them and they are freed. ``make`` must return a new contiguous tensor
-    equal to the output (as the norm's forward kernel run again on the norm's saved input
-    does), and hold only tensors that backward keeps anyway.
+    A registered output is matched by its memory while it is alive (held weakly: once it
+    is freed, a tensor that takes its memory is not mistaken for it). ``make`` must return
+    a new contiguous tensor equal to the output (as the norm's forward kernel run again on
+    the norm's saved input does), and hold only tensors that backward keeps anyway.
 
     Nothing is repacked, and no hooks are installed, without grad mode, under
     ``torch.compile`` (Inductor's partitioner decides what to recompute) or when not
-    ``enabled``.
+    ``enabled``, and inside other saved-tensor hooks (activation checkpointing's, or
+    offloading's), which own what is saved there: only another :class:`RecomputedNorms`
+    may be nested in.
 
     Args:
         enabled: False makes the context and :meth:`register` do nothing.
@@ -57,18 +62,21 @@ class RecomputedNorms:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._makers: dict[int, tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
+        self._makers: dict[int, tuple[weakref.ref, Callable[[], torch.Tensor]]] = {}
         self._hooks = None
 
     def register(self, output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Mark ``output`` (contiguous) as made again by ``make`` when saved; returns it."""
         if self._hooks is not None:
-            self._makers[output.untyped_storage().data_ptr()] = (output, make)
+            self._makers[output.untyped_storage().data_ptr()] = (weakref.ref(output), make)
         return output
 
     def _pack(self, saved: torch.Tensor):
-        entry = self._makers.get(saved.untyped_storage().data_ptr()) if saved.device.type != "meta" else None
-        if entry is None or entry[0].untyped_storage().nbytes() != saved.untyped_storage().nbytes():
+        if saved.device.type == "meta":
+            return saved
+        entry = self._makers.get(saved.untyped_storage().data_ptr())
+        output = None if entry is None else entry[0]()
+        if output is None or output.untyped_storage().nbytes() != saved.untyped_storage().nbytes():
             return saved
         return _Recipe(entry[1], saved)
 
@@ -77,13 +85,38 @@ class RecomputedNorms:
         return packed.unpack() if isinstance(packed, _Recipe) else packed
 
     def __enter__(self) -> RecomputedNorms:
-        if self.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling() and _free_to_hook():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
+            _active.__dict__.setdefault("stack", []).append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._hooks is not None:
+            _active.stack.pop()
             self._hooks.__exit__(*exc)
             self._hooks = None
         self._makers.clear()
+
+
+def _free_to_hook() -> bool:
+    """No saved-tensor hooks are active, or only a RecomputedNorms' own."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is None or isinstance(getattr(top[0], "__self__", None), RecomputedNorms)
+
+
+def register_norm_output(output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """:meth:`RecomputedNorms.register` on the innermost active context of this thread, if
+    any (a norm module whose callers may or may not recompute); returns ``output``.
+
+    Args:
+        output: the norm's output (contiguous).
+        make: makes it again (see :class:`RecomputedNorms`).
+
+    Returns:
+        ``output``.
+    """
+    if torch.compiler.is_compiling():
+        return output
+    stack = _active.__dict__.get("stack")
+    return stack[-1].register(output, make) if stack else output

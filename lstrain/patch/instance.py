@@ -9,7 +9,9 @@ product and down projection through ``lstrain.ops.silu_mul_linear``; for a model
 head, an instance attribute ``forward`` shadows the class's forward to compute the loss
 through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
-``lstrain.ops.rope``. A config whose attention implementation is "sdpa" names
+``lstrain.ops.rope``; the swapped RMSNorms and the decoder layers holding them get instance
+forwards that make the norms' outputs again in backward rather than keep them. A config
+whose attention implementation is "sdpa" names
 ``lstrain.patch.attention.SKIP_SDPA`` instead (transformers' SDPA with its mask skip kept
 under CUDA-graph capture and torch.compile, registered in transformers' attention registries
 under that new name), and the base model gets an instance ``forward`` that tells its mask
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lstrain.ops
+from lstrain.layers.recompute import RecomputedNorms, register_norm_output
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.rms_norm import RMSNorm
 from lstrain.patch.attention import SKIP_SDPA, implied_positions, register_skip_sdpa
@@ -58,6 +61,7 @@ __all__ = [
 _STATE = "_lstrain_patch"
 _LOSS_ROUTE = "torch.nn.Linear + cross-entropy on logits"
 _ROPE_ROUTE = "transformers' apply_rotary_pos_emb"
+_NORM_OUTPUT_ROUTE = "output saved for backward by its consumers"
 # The transformers major versions this module is written against (tested: 5.17 on an H200,
 # 5.24 on the CPU).
 SUPPORTED_TRANSFORMERS_MAJOR = 5
@@ -368,6 +372,58 @@ def _route_attention_masks(model: torch.nn.Module, enabled: bool, state: _PatchS
         _set_forward(base, _implied_positions_forward(inspect.signature(base.forward)), state)
 
 
+def _registering_norm_forward():
+    """A forward for one swapped RMSNorm (a new function each, as ``_set_forward`` needs): its
+    own, with the output offered to the caller's :class:`RecomputedNorms`, made again from
+    the same input (which the norm's backward keeps anyway) if it is saved there."""
+
+    def forward(norm: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+        own = norm.__dict__[_WRAPPED]
+        again = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        return register_norm_output(own(*args, **kwargs), lambda: own(*again, **kwargs))
+
+    return forward
+
+
+def _recomputing_forward():
+    """A forward for a module that holds swapped RMSNorms (a decoder layer): its own, inside
+    a :class:`RecomputedNorms`, so that what its layers save of the norms' outputs is made
+    again in backward instead of kept."""
+
+    def forward(module: torch.nn.Module, *args, **kwargs):
+        with RecomputedNorms():
+            return module.__dict__[_WRAPPED](*args, **kwargs)
+
+    return forward
+
+
+def _recompute_norm_outputs(model: torch.nn.Module, enabled: bool, state: _PatchState) -> None:
+    report = state.report
+    swapped = {id(getattr(parent, name)) for parent, name, _ in state.modules}
+    # the final norm's output leaves the base model for the LM head: only the layers' norms
+    outer = {id(model), id(getattr(model, "base_model", model))}
+    ours = set()
+    for path, norm in list(model.named_modules()):
+        if not isinstance(norm, RMSNorm) or id(norm) not in swapped:
+            continue
+        parent_path = path.rpartition(".")[0]
+        parent = model.get_submodule(parent_path)
+        if id(parent) in outer:
+            continue
+        if not enabled:
+            report.left_alone.append(LeftAlone(path, "recompute_norms=False"))
+            continue
+        if id(parent) not in ours and _WRAPPED in parent.__dict__:
+            where = parent_path or type(model).__name__
+            report.left_alone.append(LeftAlone(path, f"its output stays saved: {where} already has a patched forward"))
+            continue
+        _set_forward(norm, _registering_norm_forward(), state)
+        if id(parent) not in ours:
+            _set_forward(parent, _recomputing_forward(), state)
+            ours.add(id(parent))
+        report.swapped.append(Swapped(path, _NORM_OUTPUT_ROUTE, "made again in backward"))
+
+
 def _implied_positions_forward(signature: inspect.Signature):
     """A forward for a base model that tells the mask function when it makes its own
     position ids and has no padding mask or cache (:func:`implied_positions`)."""
@@ -478,6 +534,7 @@ def patch(
     activation: bool = True,
     cross_entropy: bool = True,
     sdpa_mask_skip: bool = True,
+    recompute_norms: bool = True,
 ) -> PatchReport:
     """Put lstrain's fused modules and loss into a Hugging Face model instance, in place.
 
@@ -513,6 +570,11 @@ def patch(
             bidirectional mask without padding is SDPA's ``is_causal`` / no mask also when
             the step is captured in a CUDA graph or compiled, where transformers otherwise
             builds a (batch, 1, T, T) mask and SDPA leaves its flash kernels.
+        recompute_norms: with ``rms_norm``, the swapped RMSNorms' outputs, which the
+            projections after them save for their weight gradients, are made again in
+            backward from the norms' inputs (kept anyway) instead of kept: two [tokens,
+            hidden] tensors a decoder layer fewer (``lstrain.layers.RecomputedNorms``; off
+            inside activation checkpointing and under torch.compile).
 
     Returns:
         The report: what was swapped (path, old type, new type), what was left alone and why.
@@ -529,6 +591,7 @@ def patch(
         "activation": activation,
         "cross_entropy": cross_entropy,
         "sdpa_mask_skip": sdpa_mask_skip,
+        "recompute_norms": recompute_norms,
     }
     state = model.__dict__.get(_STATE)
     if state is not None:
@@ -546,6 +609,7 @@ def patch(
     _swap_tanh_gelus(model, family, activation, state)
     _route_mlps(model, family, activation, state)
     _route_attention_masks(model, sdpa_mask_skip, state)
+    _recompute_norm_outputs(model, recompute_norms, state)
     if head_path is None:
         state.report.left_alone.append(LeftAlone("", f"{type(model).__name__} has no LM head, so no loss to fuse"))
     elif not cross_entropy:

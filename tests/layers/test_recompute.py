@@ -98,3 +98,23 @@ def test_llama_keeps_two_norm_outputs_a_layer_fewer_on_the_gpu():
         model.zero_grad(set_to_none=True)
     stream = ids.numel() * config.hidden_size * 2  # one bf16 [tokens, D] norm output
     assert held[False] - held[True] == 2 * config.num_hidden_layers * stream
+
+
+def test_other_saved_tensor_hooks_own_what_is_saved_inside_them():
+    """Inside activation checkpointing (its own saved-tensor hooks) nothing is repacked, and
+    the gradients are checkpointing's."""
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+
+    def block(h):
+        with RecomputedNorms() as norms:
+            assert norms._hooks is None
+            normed = norms.register(rms_norm(h, (16,), w), lambda: rms_norm(h.detach(), (16,), w.detach()))
+            return (normed @ normed.t()).sum()
+
+    loss = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+    grads = torch.autograd.grad(loss, (h, w))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        expected = torch.autograd.grad(block(h), (h, w))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)

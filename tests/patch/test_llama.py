@@ -398,3 +398,33 @@ def test_an_mlp_whose_down_proj_has_a_hook_keeps_it():
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
     for key, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
+    """The layers' norm outputs are saved as recipes (two a layer: the attention's and the
+    MLP's projections read them), made again in backward; the loss and every gradient are
+    the bits of the patch that keeps them. The final norm is not a candidate."""
+    from lstrain.layers import recompute
+
+    made = []
+    init = recompute._Recipe.__init__
+    monkeypatch.setattr(
+        recompute._Recipe, "__init__", lambda self, make, saved: made.append(make) or init(self, make, saved)
+    )
+    kept, recomputed = copy.deepcopy(_model(family)), _model(family)
+    lstrain.patch(kept, recompute_norms=False)
+    report = lstrain.patch(recomputed)
+    paths = [s.path for s in report.swapped if s.new_type == "made again in backward"]
+    assert paths == [
+        f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("input_layernorm", "post_attention_layernorm")
+    ]
+    input_ids, labels = _batch(False)
+    expected, expected_grads = _loss_and_grads(kept, input_ids, labels)
+    assert not made
+    got, grads = _loss_and_grads(recomputed, input_ids, labels)
+    assert len({id(make) for make in made}) == 2 * LAYERS
+    assert torch.equal(got.loss, expected.loss)
+    for key, grad in grads.items():
+        assert torch.equal(grad, expected_grads[key]), key
+    assert lstrain.unpatch(recomputed) and "forward" not in recomputed.model.layers[0].__dict__
