@@ -425,6 +425,12 @@ def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
     got, grads = _loss_and_grads(recomputed, input_ids, labels)
     assert len({id(make) for make in made}) == 2 * LAYERS
     assert torch.equal(got.loss, expected.loss)
+    # the same bits where attention's backward is deterministic (the interpreter, eager
+    # attention); SDPA's GPU backward may sum in another order from run to run
+    exact = DEVICE == "cpu" or family == "llama"
     for key, grad in grads.items():
-        assert torch.equal(grad, expected_grads[key]), key
+        if exact:
+            assert torch.equal(grad, expected_grads[key]), key
+        else:
+            torch.testing.assert_close(grad, expected_grads[key], msg=key)
     assert lstrain.unpatch(recomputed) and "forward" not in recomputed.model.layers[0].__dict__
