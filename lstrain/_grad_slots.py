@@ -43,6 +43,10 @@ class Places:
             offset: where the parameter's gradient starts in it.
         """
         _places[param] = _Place(self, weakref.ref(buffer), offset)
+        if len(_by_address) > 2 * len(_places) + 64:  # parameters gone since: forget them
+            for key in [key for key, ref in _by_address.items() if ref() is None]:
+                del _by_address[key]
+        _by_address[(param.device, param.data_ptr())] = weakref.ref(param)
 
     def reopen(self) -> None:
         """Let the next backward take every place of this group again."""
@@ -59,6 +63,21 @@ class _Place:
 
 # parameter -> its place
 _places: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# (device, address) -> the parameter registered there: under saved-tensor hooks a backward
+# gets a new tensor object over a saved parameter's memory, not the parameter itself
+_by_address: dict[tuple[torch.device, int], weakref.ref] = {}
+
+
+def _parameter_of(like: torch.Tensor) -> torch.Tensor | None:
+    """The registered parameter ``like`` is (a ``.t()`` view of), by identity or by memory."""
+    param = like if like._base is None else like._base
+    if param in _places:
+        return param
+    ref = _by_address.get((like.device, like.data_ptr()))
+    param = None if ref is None else ref()
+    if param is None or param.data_ptr() != like.data_ptr() or param.numel() != like.numel():
+        return None
+    return param
 
 
 def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -78,8 +97,8 @@ def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     if not _places or torch.is_grad_enabled():
         return None
-    param = like if like._base is None else like._base
-    place = _places.get(param)
+    param = _parameter_of(like)
+    place = None if param is None else _places.get(param)
     if place is None or param.grad is not None or place.taken == place.group.generation:
         return None
     buffer = place.buffer()
