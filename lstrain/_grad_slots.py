@@ -43,10 +43,6 @@ class Places:
             offset: where the parameter's gradient starts in it.
         """
         _places[param] = _Place(self, weakref.ref(buffer), offset)
-        if len(_by_address) > 2 * len(_places) + 64:  # parameters gone since: forget them
-            for key in [key for key, ref in _by_address.items() if ref() is None]:
-                del _by_address[key]
-        _by_address[(param.device, param.data_ptr())] = weakref.ref(param)
 
     def reopen(self) -> None:
         """Let the next backward take every place of this group again."""
@@ -63,21 +59,24 @@ class _Place:
 
 # parameter -> its place
 _places: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# (device, address) -> the parameter registered there: under saved-tensor hooks a backward
-# gets a new tensor object over a saved parameter's memory, not the parameter itself
-_by_address: dict[tuple[torch.device, int], weakref.ref] = {}
 
 
 def _parameter_of(like: torch.Tensor) -> torch.Tensor | None:
-    """The registered parameter ``like`` is (a ``.t()`` view of), by identity or by memory."""
-    param = like if like._base is None else like._base
-    if param in _places:
-        return param
-    ref = _by_address.get((like.device, like.data_ptr()))
-    param = None if ref is None else ref()
-    if param is None or param.data_ptr() != like.data_ptr() or param.numel() != like.numel():
+    """The registered parameter ``like`` is (or a ``.t()`` view of). Under saved-tensor
+    hooks a backward gets a new tensor object for a saved parameter (or view), whose
+    gradient edge still leads to the parameter's own AccumulateGrad node, directly or
+    through the view's node (another leaf over the same memory, a
+    ``detach().requires_grad_()`` alias, does not)."""
+    base = like if like._base is None else like._base
+    if base in _places:
+        return base
+    if not base.requires_grad:
         return None
-    return param
+    node = torch.autograd.graph.get_gradient_edge(base).node
+    if not hasattr(node, "variable") and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]  # a saved view of the parameter (w.t()): one step up
+    param = getattr(node, "variable", None)
+    return param if param is not None and param in _places else None
 
 
 def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

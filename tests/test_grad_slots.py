@@ -40,6 +40,24 @@ def test_a_weight_gradient_is_written_into_its_place():
     torch.testing.assert_close(held.grad, expected)
 
 
+def test_saved_tensor_hooks_keep_a_saved_weight_its_place_and_an_alias_gets_none():
+    """Under saved-tensor hooks backward gets a new tensor object for a saved weight: it is
+    found by its gradient edge; a detached alias over the same memory is another leaf."""
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    held = torch.nn.Parameter(torch.randn(4, 3, device=DEVICE))
+    flat, buffer = _flat(weight, held)
+    x = torch.randn(6, 4, device=DEVICE)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = linear(x, weight).square().sum() + linear(x, held.t()).sum()
+    loss.backward()
+    assert _in_buffer(weight, buffer) and _in_buffer(held, buffer)
+    weight.grad = held.grad = None
+    flat.reopen_grad_slots()
+    alias = weight.detach().requires_grad_()
+    linear(x, alias).square().sum().backward()
+    assert alias.grad is not None and not any(_same_memory(alias.grad, view) for view in buffer.grad_views)
+
+
 def test_a_tied_weight_gets_both_contributions():
     weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
     flat, buffer = _flat(weight)

@@ -39,8 +39,9 @@ class RecomputedNorms:
     """Context in which saved tensors that are (views of) registered norm outputs are saved
     as recipes: ``make()`` runs again in backward, wherever autograd unpacks one.
 
-    A registered output is matched by its memory while it is alive (held weakly: once it
-    is freed, a tensor that takes its memory is not mistaken for it). ``make`` must return
+    A registered output is matched by its memory while it is alive and unchanged (held
+    weakly: once it is freed, a tensor that takes its memory is not mistaken for it; once
+    changed in place, it is saved as it is). ``make`` must return
     a new contiguous tensor equal to the output (as the norm's forward kernel run again on
     the norm's saved input does), and hold only tensors that backward keeps anyway.
 
@@ -62,23 +63,35 @@ class RecomputedNorms:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._makers: dict[int, tuple[weakref.ref, Callable[[], torch.Tensor]]] = {}
+        # storage address -> (the output, weakly; its version when registered; make)
+        self._makers: dict[int, tuple[weakref.ref, int, Callable[[], torch.Tensor]]] = {}
         self._hooks = None
 
     def register(self, output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Mark ``output`` (contiguous) as made again by ``make`` when saved; returns it."""
-        if self._hooks is not None:
-            self._makers[output.untyped_storage().data_ptr()] = (weakref.ref(output), make)
+        """Mark ``output`` (contiguous) as made again by ``make`` when saved; returns it.
+
+        An output changed in place afterwards (its version moved) is saved as it is, and so
+        is anything but a plain strided, non-empty tensor."""
+        if self._hooks is not None and _plain(output):
+            self._makers[output.untyped_storage().data_ptr()] = (weakref.ref(output), output._version, make)
         return output
 
-    def _pack(self, saved: torch.Tensor):
-        if saved.device.type == "meta":
+    @staticmethod
+    def _pack(saved: torch.Tensor):
+        if not _plain(saved):
             return saved
-        entry = self._makers.get(saved.untyped_storage().data_ptr())
-        output = None if entry is None else entry[0]()
-        if output is None or output.untyped_storage().nbytes() != saved.untyped_storage().nbytes():
+        address = saved.untyped_storage().data_ptr()
+        # the innermost context's hooks pack for the outer ones too
+        for context in reversed(_active.stack):
+            entry = context._makers.get(address)
+            output = None if entry is None else entry[0]()
+            if output is None:
+                continue
+            same = output.dtype == saved.dtype and output.device == saved.device
+            if same and output._version == entry[1] == saved._version:
+                return _Recipe(entry[2], saved)
             return saved
-        return _Recipe(entry[1], saved)
+        return saved
 
     @staticmethod
     def _unpack(packed):
@@ -97,6 +110,12 @@ class RecomputedNorms:
             self._hooks.__exit__(*exc)
             self._hooks = None
         self._makers.clear()
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor with an ordinary storage worth matching: not a subclass (DTensor, float8
+    wrappers), sparse, meta or empty (every empty tensor shares the address 0)."""
+    return type(t) is torch.Tensor and t.layout is torch.strided and t.device.type != "meta" and t.numel() > 0
 
 
 def _free_to_hook() -> bool:

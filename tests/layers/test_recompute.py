@@ -121,3 +121,31 @@ def test_other_saved_tensor_hooks_own_what_is_saved_inside_them():
         expected = torch.autograd.grad(block(h), (h, w))
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_an_output_changed_in_place_or_an_unusual_tensor_is_saved_as_it_is():
+    """Only a plain, non-empty, unchanged registered output is repacked: one scaled in place
+    after registering keeps its own gradient, and sparse, empty or int tensors saved in the
+    context pass through untouched."""
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    proj = torch.randn(16, 8, device=DEVICE, requires_grad=True)
+
+    def loss(recompute):
+        with RecomputedNorms(enabled=recompute) as norms:
+            normed = norms.register(rms_norm(h, (16,), w), lambda: rms_norm(h.detach(), (16,), w.detach()))
+            normed.mul_(3)
+            return (normed @ proj).square().sum()
+
+    for kept, made in zip(
+        torch.autograd.grad(loss(False), (h, w, proj)), torch.autograd.grad(loss(True), (h, w, proj)), strict=True
+    ):
+        torch.testing.assert_close(made, kept)
+    empty = torch.empty(0, 4, device=DEVICE, requires_grad=True)
+    with RecomputedNorms() as norms:
+        norms.register(torch.empty(0, 4, device=DEVICE), lambda: torch.empty(0, 4, device=DEVICE))
+        sparse = torch.eye(4, device=DEVICE).to_sparse()
+        dense = torch.randn(4, 3, device=DEVICE, requires_grad=True)
+        out = torch.sparse.mm(sparse, dense).sum() + (empty * 2).sum()
+    out.backward()
+    torch.testing.assert_close(dense.grad, torch.ones(4, 3, device=DEVICE))
