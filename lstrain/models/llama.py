@@ -265,7 +265,10 @@ class Llama(torch.nn.Module):
     :class:`lstrain.layers.DecoderLayer`'s fused pieces (SwiGLU in GEMM epilogues, SDPA, each
     residual add inside the next RMSNorm's kernel: :func:`lstrain.ops.add_rms_norm`), and
     with labels the loss through :func:`lstrain.ops.linear_cross_entropy` on the hidden
-    states (no logits). Unfused: ``nn.Embedding``, ``torch.nn.RMSNorm``, plain-torch layers,
+    states (no logits). For memory, backward makes again what is cheap to make: the SwiGLU
+    activation (in ``swiglu_bwd``'s epilogue) and the layers' norm outputs
+    (``DecoderLayer.recompute_norms``; set it False on ``model.model.layers`` to keep them),
+    the same bits either way. Unfused: ``nn.Embedding``, ``torch.nn.RMSNorm``, plain-torch layers,
     the logits and ``F.cross_entropy`` on them in fp32 (as HF computes it).
 
     State_dict keys and layouts are HF ``LlamaForCausalLM``'s. Initialisation is HF's:
