@@ -536,33 +536,22 @@ def swiglu_fwd_activation_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torc
     return x2d.new_empty((x2d.shape[0], w_gate_up.shape[1] // 2))
 
 
-def swiglu_bwd_new(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu_bwd` into a new dh (a custom op may not write over its input h)."""
-    dh = torch.empty_like(h)
-    swiglu_bwd(dy2d, w_down, h, dh)
-    return dh
-
-
-@kernel_op("swiglu_bwd", swiglu_bwd_new)
-def swiglu_bwd_new_op(dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(h)
-
-
-def swiglu_bwd_recompute(
-    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
+def swiglu_bwd_new(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, write_a: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`swiglu_bwd` into a new dh, and the activation a recomputed beside it."""
+    """:func:`swiglu_bwd` into a new dh (a custom op may not write over its input h) and,
+    with ``write_a``, a new a beside it (else a is [M, 0])."""
     dh = torch.empty_like(h)
-    a = h.new_empty((h.shape[0], h.shape[1] // 2))
-    swiglu_bwd(dy2d, w_down, h, dh, a)
+    a = h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
+    swiglu_bwd(dy2d, w_down, h, dh, a if write_a else None)
     return dh, a
 
 
-@kernel_op("swiglu_bwd_recompute", swiglu_bwd_recompute)
-def swiglu_bwd_recompute_op(
-    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
+@kernel_op("swiglu_bwd", swiglu_bwd_new)
+def swiglu_bwd_new_op(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, write_a: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(h), h.new_empty((h.shape[0], h.shape[1] // 2))
+    return torch.empty_like(h), h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -592,18 +581,15 @@ class SwiGLUFunction(torch.autograd.Function):
         dy2d = _rows(dy)
         needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dh, a = None, (kept[0] if kept else None)
-        if needs_dh or a is None:  # the kernel that writes dh is the one that writes a again
+        if needs_dh or not kept:  # the kernel that writes dh is the one that writes a again
             if torch.compiler.is_compiling():
-                if a is None:
-                    dh, a = swiglu_bwd_recompute_op(dy2d, w_down, h)
-                else:
-                    dh = swiglu_bwd_new_op(dy2d, w_down, h)
+                dh, written = swiglu_bwd_new_op(dy2d, w_down, h, not kept)
             else:
                 # over h where the graph goes with this backward: one [tokens, 2F] buffer fewer
                 dh = h if graph_freed_after_backward() else torch.empty_like(h)
-                recomputed = h.new_empty((h.shape[0], h.shape[1] // 2)) if a is None else None
-                swiglu_bwd(dy2d, w_down, h, dh, recomputed)
-                a = a if recomputed is None else recomputed
+                written = None if kept else h.new_empty((h.shape[0], h.shape[1] // 2))
+                swiglu_bwd(dy2d, w_down, h, dh, written)
+            a = kept[0] if kept else written
         # weight gradients in the weights' layouts: a w.t() view's gradient reaches .grad contiguous
         dw_down = matmul_like(a.t(), dy2d, w_down) if ctx.needs_input_grad[2] else None
         if not needs_dh:

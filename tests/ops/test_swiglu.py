@@ -131,8 +131,8 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.lstrain.swiglu_fwd, (x, w))
     torch.library.opcheck(torch.ops.lstrain.swiglu_fwd_activation, (x, w))
     _, h = torch.ops.lstrain.swiglu_fwd(x, w)
-    torch.library.opcheck(torch.ops.lstrain.swiglu_bwd, (torch.randn(5, 8, device=device), wd, h))
-    torch.library.opcheck(torch.ops.lstrain.swiglu_bwd_recompute, (torch.randn(5, 8, device=device), wd, h))
+    for write_a in (False, True):
+        torch.library.opcheck(torch.ops.lstrain.swiglu_bwd, (torch.randn(5, 8, device=device), wd, h, write_a))
 
 
 @pytest.mark.parametrize("tokens, intermediate", [(5, 300), (4096, 1068)])
