@@ -28,6 +28,8 @@ from lstrain.ops import (
     embedding,
     gemm,
     layer_norm,
+    linear,
+    linear_add_rms_norm_swiglu,
     linear_cross_entropy,
     qkv_projection,
     qkv_projection_ref,
@@ -654,6 +656,57 @@ def _swiglu_mlp_case(
     )
 
 
+def linear_add_rms_norm_swiglu_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    """Issue 33's pattern A at LLaMA-0.75B's shapes, 8192 tokens: o_proj (2048 -> 2048), the
+    residual add, RMSNorm and the SwiGLU MLP (2048 -> 5632 -> 2048), against lstrain's
+    unfused path (``linear``, ``add_rms_norm``, ``swiglu_mlp``: what the decoder layer runs
+    without ``norm_in_epilogue``) and plain torch."""
+    tokens, dim, hidden = 8192, 2048, 5632
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) * scale).requires_grad_()
+
+        inputs = {
+            "x": randn(tokens, dim),
+            "weight": randn(dim, dim, scale=dim**-0.5),
+            "residual": randn(tokens, dim),
+            "norm_weight": (1 + 0.1 * torch.randn(dim, device="cuda", dtype=dtype, generator=gen)).requires_grad_(),
+            "w_gate_up": randn(dim, 2 * hidden, scale=dim**-0.5),
+            "w_down": randn(hidden, dim, scale=hidden**-0.5),
+        }
+        # the upstream gradient of the new residual (the next layer's)
+        inputs["d_residual"] = torch.randn(tokens, dim, device="cuda", dtype=dtype, generator=gen)
+        return inputs
+
+    def ours(x, weight, residual, norm_weight, w_gate_up, w_down, d_residual):
+        y, s = linear_add_rms_norm_swiglu(x, weight, residual, norm_weight, w_gate_up, w_down, eps=1e-6)
+        return _all_outputs((y, s), (d_residual,))
+
+    def unfused(x, weight, residual, norm_weight, w_gate_up, w_down, d_residual):
+        normed, s = add_rms_norm(linear(x, weight), residual, dim, norm_weight, 1e-6)
+        return _all_outputs((swiglu_mlp(normed, w_gate_up, w_down), s), (d_residual,))
+
+    def eager(x, weight, residual, norm_weight, w_gate_up, w_down, d_residual):
+        s = torch.nn.functional.linear(x, weight) + residual
+        normed = torch.nn.functional.rms_norm(s, (dim,), norm_weight, 1e-6)
+        pairs = (normed @ w_gate_up).view(tokens, -1, 2, PAIR_BLOCK)
+        a = (torch.nn.functional.silu(pairs[:, :, 0]) * pairs[:, :, 1]).reshape(tokens, hidden)
+        return _all_outputs((a @ w_down, s), (d_residual,))
+
+    impls = {"lstrain": ours, "lstrain unfused": unfused, "eager": eager, "torch.compile": eager}
+    element = torch.finfo(dtype).bits // 8
+    flops = 3 * 2 * tokens * (dim * dim + 3 * dim * hidden)  # o_proj and the MLP, forward and backward
+    # forward reads x, the residual and the weights, writes s and y; backward reads dy, ds and
+    # writes dx, ds and the weights' gradients (activations kept between them not counted)
+    min_bytes = (7 * tokens * dim + 2 * (dim * dim + 3 * dim * hidden)) * element
+    grads = ["x", "weight", "residual", "norm_weight", "w_gate_up", "w_down"]
+    label = f"{tokens} x {dim} -> {dim}, MLP {dim} -> {hidden}"
+    return [BenchCase("linear_add_rms_norm_swiglu", label, make, grads, impls, min_bytes, None, flops)]
+
+
 def linear_gelu_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """A Linear layer followed by GELU, forward and backward, as ``lstrain.nn.Linear(...,
     activation="gelu")`` runs it (its forward also stores the pre-activation) and as
@@ -701,6 +754,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "linear_cross_entropy": linear_cross_entropy_cases,
     "linear_gelu": linear_gelu_cases,
     "swiglu_mlp": swiglu_mlp_cases,
+    "linear_add_rms_norm_swiglu": linear_add_rms_norm_swiglu_cases,
 }
 
 
@@ -899,6 +953,7 @@ TITLES: dict[str, str] = {
     "linear_cross_entropy": "Linear + cross-entropy (an LM head), bf16, forward + backward",
     "linear_gelu": "Linear + GELU (lstrain through gemm), bf16, forward + backward",
     "swiglu_mlp": "SwiGLU MLP (x -> gate, up -> down), bf16, forward + backward",
+    "linear_add_rms_norm_swiglu": "o_proj + residual add + RMSNorm + SwiGLU MLP (pattern A), bf16, forward + backward",
     "adamw": "AdamW step over GPT-2 medium's 354.8M parameters",
     "gemm": "GEMM, bf16, forward only (M x K x N)",
 }

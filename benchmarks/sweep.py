@@ -5,8 +5,8 @@
 Evidence for the constants of the plan functions (``layer_norm_fwd_plan``,
 ``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``,
 ``gemm_plan``), and where the time of the dropout ops and of the SwiGLU MLP's GEMMs goes
-(beside cuBLAS doing the same products), and an upper bound on what issue 33's pattern A
-could save (``--op norm_epilogue``): each kernel alone, one launch
+(beside cuBLAS doing the same products), and issue 33's pattern A against the unfused path
+(``--op norm_epilogue``, forward kernels and a whole decoder layer): each kernel alone, one launch
 captured in a CUDA graph and replayed under ``do_bench`` (L2 flushed, median), at the
 shapes of the targets. Prints the best plans first for each kernel and shape.
 """
@@ -21,6 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from lstrain._backend import shared_memory_per_program
+from lstrain.layers import DecoderLayer, rotary_cos_sin
 from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan, new_seed
 from lstrain.ops.add_rms_norm import add_rms_norm_fwd
 from lstrain.ops.attention_softmax import (
@@ -32,7 +33,7 @@ from lstrain.ops.attention_softmax import (
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual_fwd, dropout_bwd
 from lstrain.ops.cross_entropy import CrossEntropyPlan, cross_entropy_fwd, cross_entropy_plan, scale_gradient_
 from lstrain.ops.embedding import embedding_bwd, embedding_fwd
-from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_fwd_saving_preactivation, gemm_plan
+from lstrain.ops.gemm import GemmPlan, gemm_fwd, gemm_plan
 from lstrain.ops.layer_norm import (
     LayerNormPlan,
     layer_norm_bwd,
@@ -40,6 +41,7 @@ from lstrain.ops.layer_norm import (
     layer_norm_fwd,
     layer_norm_fwd_plan,
 )
+from lstrain.ops.linear_add_rms_norm_swiglu import linear_add_rms_norm_fwd
 from lstrain.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
@@ -197,36 +199,52 @@ def time_swiglu_kernels() -> None:
 
 
 def time_norm_epilogue() -> None:
-    """Issue 33's pattern A, bounded from above before it is built: at a sublayer's end, the
-    cuBLAS GEMM then ``add_rms_norm`` (five passes over the [tokens, D] stream forward)
-    against lstrain's GEMM whose epilogue reads the residual and writes two outputs, the
-    traffic pattern A's epilogue has (three passes), without its row statistics."""
-    print("== pattern A bound: GEMM0 + residual add + RMSNorm forward (M x K x N)")
-    for name, m, k, n in (("o_proj", 8192, 2048, 2048), ("down_proj", 8192, 5632, 2048)):
-        timings = _norm_epilogue_timings(m, k, n)
-        print(f"   {name} {m}x{k}x{n}: " + ", ".join(f"{key} {us:.1f} us" for key, us in timings.items()))
+    """Issue 33's pattern A (:func:`lstrain.ops.linear_add_rms_norm_swiglu`) against the
+    unfused path at LLaMA-0.75B's shapes (8192 tokens, D 2048, F 5632, bf16): the forward
+    kernels of o_proj + residual add + RMSNorm + SwiGLU MLP, then a whole decoder layer's
+    forward and backward with ``norm_in_epilogue`` and without (recomputed norms either
+    way), each captured in a CUDA graph."""
+    m, d, f, heads = 8192, 2048, 5632, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
 
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
-def _norm_epilogue_timings(m: int, k: int, n: int) -> dict[str, float]:
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    norm_weight = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    x, w_o, residual = randn(m, d), randn(d, d, scale=d**-0.5), randn(m, d)
+    norm_weight, w_gate_up, w_down = randn(d) + 1, randn(d, 2 * f, scale=d**-0.5), randn(f, d, scale=f**-0.5)
 
     def unfused():
-        torch.mm(a, w.t(), out=out)
-        add_rms_norm_fwd(out, residual, (n,), norm_weight, 1e-6)
+        normed, _, _ = add_rms_norm_fwd(torch.mm(x, w_o.t()), residual, (d,), norm_weight, 1e-6)
+        a, _ = swiglu_fwd(normed, w_gate_up)
+        torch.mm(a, w_down)
 
-    return {
-        "cuBLAS": graph_us(lambda: torch.mm(a, w.t(), out=out)),
-        "add_rms_norm": graph_us(lambda: add_rms_norm_fwd(out, residual, (n,), norm_weight, 1e-6)),
-        "cuBLAS + add_rms_norm": graph_us(unfused),
-        "lstrain gemm": graph_us(lambda: gemm_fwd(a, w.t(), None, None, 1.0, 0.0, -1, torch.bfloat16)),
-        "lstrain gemm + residual in, two outputs": graph_us(
-            lambda: gemm_fwd_saving_preactivation(a, w.t(), residual, None, 1.0, 1.0, -1, torch.bfloat16)
-        ),
-    }
+    def fused():
+        _, scaled, squares = linear_add_rms_norm_fwd(x, w_o, None, residual, norm_weight)
+        a, _ = swiglu_fwd(scaled, w_gate_up, row_squares=squares, eps=1e-6)
+        torch.mm(a, w_down)
+
+    print(f"== pattern A forward, o_proj {m}x{d}x{d} + add + RMSNorm + SwiGLU {d}->{f}->{d}")
+    print(f"   unfused (cuBLAS, add_rms_norm, swiglu_fwd, cuBLAS) {graph_us(unfused):8.1f} us")
+    print(f"   fused (linear_add_rms_norm_fwd, row-scaled swiglu_fwd, cuBLAS) {graph_us(fused):8.1f} us")
+    print(f"== decoder layer forward + backward, batch 4 x 2048, D {d}, {heads} heads, F {f}")
+    for on in (False, True):
+        print(f"   norm_in_epilogue={on} {_decoder_layer_us(on, d, heads, f):8.1f} us")
+
+
+def _decoder_layer_us(norm_in_epilogue: bool, dim: int, heads: int, features: int) -> float:
+    torch.manual_seed(0)
+    layer = DecoderLayer(dim, heads, heads, dim // heads, features, device="cuda", dtype=torch.bfloat16)
+    layer.norm_in_epilogue = norm_in_epilogue
+    x = torch.randn(4, 2048, dim, device="cuda", dtype=torch.bfloat16)
+    stream = torch.randn_like(x).requires_grad_()
+    cos, sin = rotary_cos_sin(torch.arange(2048, device="cuda"), dim // heads, 10000.0, torch.bfloat16)
+    grads = (torch.randn_like(x), torch.randn_like(x))
+
+    def step():
+        torch.autograd.backward(layer(x, cos, sin, residual=stream), grads)
+
+    step()  # the parameters' .grad exist before capture: captured steps add into them
+    return graph_us(step)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import lstrain.nn
 from lstrain.layers.recompute import RecomputedNorms
 from lstrain.layers.rotary import RotaryAttention
 from lstrain.layers.swiglu import SwiGLU
-from lstrain.ops import add_rms_norm, rms_norm
+from lstrain.ops import add_rms_norm, linear_add_rms_norm_swiglu, rms_norm
 
 __all__ = ["DecoderLayer", "add_norm"]
 
@@ -56,7 +56,12 @@ class DecoderLayer(torch.nn.Module):
     projection and the MLP save for their weight gradients, are made again in backward from
     the residual stream the norms keep anyway (:class:`lstrain.layers.RecomputedNorms`): two
     [tokens, dim] tensors a layer fewer kept, for one read and one write of each in
-    backward. Unfused: ``torch.nn.RMSNorm``, plain adds and the same layers in plain torch ops.
+    backward. With ``norm_in_epilogue`` (fused) the attention's output projection, the
+    residual add, the post-attention norm and the MLP run as
+    :func:`lstrain.ops.linear_add_rms_norm_swiglu`: the add and the norm in the two GEMMs'
+    epilogues (issue 33's pattern A), where the stream and the weights share a dtype and
+    autocast is off; its backward makes that norm's output again as ``recompute_norms``
+    does. Unfused: ``torch.nn.RMSNorm``, plain adds and the same layers in plain torch ops.
 
     Args:
         dim: model width.
@@ -68,6 +73,8 @@ class DecoderLayer(torch.nn.Module):
         fused: lstrain's kernels, or plain torch ops.
         recompute_norms: with ``fused``, make the norm outputs again in backward rather
             than keep them (an attribute: may be switched on a built layer).
+        norm_in_epilogue: with ``fused``, the residual add and the post-attention norm in
+            GEMM epilogues (an attribute, like ``recompute_norms``).
         device, dtype: of the parameters.
 
     Raises:
@@ -92,12 +99,14 @@ class DecoderLayer(torch.nn.Module):
         attn_dropout: float = 0.0,
         fused: bool = True,
         recompute_norms: bool = True,
+        norm_in_epilogue: bool = False,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.fused = fused
         self.recompute_norms = recompute_norms
+        self.norm_in_epilogue = norm_in_epilogue
         factory = {"device": device, "dtype": dtype}
         norm = lstrain.nn.RMSNorm if fused else torch.nn.RMSNorm
         # HF's order, so the state_dict's keys come in HF's order too
@@ -120,10 +129,29 @@ class DecoderLayer(torch.nn.Module):
             else:
                 normed, residual = add_norm(self.input_layernorm, x, residual, self.fused)
             normed = norms.register(normed, _renorm(self.input_layernorm, residual))
+            if self._epilogue_norm(residual):
+                attn, norm, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
+                return linear_add_rms_norm_swiglu(
+                    attn.context(normed, cos, sin, key_padding_mask), attn.o_proj.weight, residual, norm.weight,
+                    mlp.gate_up_weight, mlp.down_weight, bias=attn.o_proj.bias, eps=norm.eps,
+                )  # fmt: skip
             attn = self.self_attn(normed, cos, sin, key_padding_mask)
             normed, residual = add_norm(self.post_attention_layernorm, attn, residual, self.fused)
             normed = norms.register(normed, _renorm(self.post_attention_layernorm, residual))
             return self.mlp(normed), residual
+
+    def _epilogue_norm(self, residual: torch.Tensor) -> bool:
+        """Whether this call takes :func:`lstrain.ops.linear_add_rms_norm_swiglu`: asked for,
+        fused, and the stream in the weights' dtype outside autocast (autocast would cast
+        the stream itself down; the unfused path keeps it wide)."""
+        weight = self.self_attn.o_proj.weight
+        return (
+            self.fused
+            and self.norm_in_epilogue
+            and not self.mlp.keep_activation
+            and residual.dtype == weight.dtype == self.mlp.gate_up_weight.dtype
+            and not torch.is_autocast_enabled(residual.device.type)
+        )
 
 
 def _renorm(norm: lstrain.nn.RMSNorm, stream: torch.Tensor):

@@ -194,6 +194,15 @@ class RotaryAttention(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        return self._project(self.o_proj, self.context(x, cos, sin, key_padding_mask))
+
+    def context(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The attention's output before ``o_proj``: ``[batch, seq, heads * head_dim]``
+        (for a caller that folds the projection into what follows it, as
+        :class:`lstrain.layers.DecoderLayer` does with ``norm_in_epilogue``). Arguments as
+        for ``forward``."""
         batch, seq, _ = x.shape
         rotary = rope_qkv if self.fused else rope_qkv_torch
         q, k, v = rotary(self._project(self.qkv_proj, x), cos, sin, self.heads, self.kv_heads)
@@ -205,7 +214,7 @@ class RotaryAttention(torch.nn.Module):
                 k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
             mask = None if key_padding_mask is None else sdpa_mask(key_padding_mask, seq, True, q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
-        return self._project(self.o_proj, out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+        return out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
 
     def _project(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # fused: lstrain's linear, whose weight gradient goes straight into a flat gradient buffer

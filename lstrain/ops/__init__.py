@@ -11,6 +11,7 @@ from lstrain.ops.embedding import embedding, embedding_ref
 from lstrain.ops.gemm import gemm, gemm_ref
 from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear import linear, linear_ref
+from lstrain.ops.linear_add_rms_norm_swiglu import linear_add_rms_norm_swiglu, linear_add_rms_norm_swiglu_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from lstrain.ops.qkv_projection import qkv_projection, qkv_projection_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
@@ -40,6 +41,8 @@ __all__ = [
     "layer_norm",
     "layer_norm_ref",
     "linear",
+    "linear_add_rms_norm_swiglu",
+    "linear_add_rms_norm_swiglu_ref",
     "linear_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",

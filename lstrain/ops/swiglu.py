@@ -128,6 +128,16 @@ def _mainloop_pairs(
 
 
 @triton.jit
+def _inv_rms(squares_ptr, rows, M, inv_cols, eps, SLOTS: tl.constexpr):
+    """1 / rms of each row from its SLOTS partial sums of squares (``squares[slot, row]``,
+    fp32, summed in slot order: deterministic), as RMSNorm's forward computes it."""
+    total = tl.load(squares_ptr + rows, mask=rows < M, other=0.0)
+    for slot in tl.static_range(1, SLOTS):
+        total += tl.load(squares_ptr + slot * tl.cast(M, tl.int64) + rows, mask=rows < M, other=0.0)
+    return 1.0 / tl.sqrt(total * tl.cast(inv_cols, tl.float32) + tl.cast(eps, tl.float32))
+
+
+@triton.jit
 def _swiglu_fwd_tile(
     tile,
     x_ptr,
@@ -135,6 +145,7 @@ def _swiglu_fwd_tile(
     a_ptr,
     h_ptr,
     h_desc,
+    squares_ptr,
     M,
     F,
     K,
@@ -144,6 +155,8 @@ def _swiglu_fwd_tile(
     stride_xk,
     stride_wk,
     stride_wn,
+    inv_cols,
+    eps,
     TAIL: tl.constexpr,
     IEEE: tl.constexpr,
     PAIR: tl.constexpr,
@@ -154,12 +167,15 @@ def _swiglu_fwd_tile(
     B_K_MAJOR: tl.constexpr,
     STORE_H: tl.constexpr,
     H_TMA: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     """Tile ``tile`` of h = x @ w_gate_up (BLOCK_F gate and BLOCK_F up columns) and of a.
     STORE_H=False (nothing to differentiate): h is not written, only a. H_TMA: a whole
     pair block's h leaves through ``h_desc`` (a [BLOCK_M, BLOCK_F] TMA descriptor over h),
     asynchronously from shared memory, so that a persistent program starts the next
-    tile's mainloop while the store drains."""
+    tile's mainloop while the store drains. SLOTS > 0: x is an RMSNorm's input times its
+    weight, not yet divided by the row's rms; the accumulator rows are, before h is
+    rounded (see :func:`_inv_rms`)."""
     pid_m, pid_n = tile_ids(tile, M, units_here, BLOCK_M, BLOCK_F, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     unit_in_launch = pid_n * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -175,6 +191,8 @@ def _swiglu_fwd_tile(
             x_ptr, w_ptr, rows, cols, M, 2 * F, K, stride_xm, stride_xk, stride_wk, stride_wn,
             IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K, B_K_MAJOR, MASK_N=False,
         )  # fmt: skip
+        if SLOTS:
+            acc *= _inv_rms(squares_ptr, rows, M, inv_cols, eps, SLOTS)[:, None]
         h_tile = acc.to(a_ptr.dtype.element_ty)
         h_gate, h_up = _halves(h_tile, BLOCK_M, BLOCK_F)
         if STORE_H and H_TMA:  # in halves: one [BLOCK_M, 2 * BLOCK_F] staging buffer overflows shared memory
@@ -193,6 +211,10 @@ def _swiglu_fwd_tile(
             x_ptr, w_ptr, rows, gate_cols, up_offset, unit_ok, unit_ok, M, K, stride_xm, stride_xk, stride_wk,
             stride_wn, IEEE, BLOCK_M, BLOCK_F, BLOCK_K,
         )  # fmt: skip
+        if SLOTS:
+            inv_rms = _inv_rms(squares_ptr, rows, M, inv_cols, eps, SLOTS)[:, None]
+            acc_gate *= inv_rms
+            acc_up *= inv_rms
         h_gate = acc_gate.to(a_ptr.dtype.element_ty)
         h_up = acc_up.to(a_ptr.dtype.element_ty)
         if STORE_H:
@@ -213,6 +235,7 @@ def _swiglu_fwd_kernel(
     a_ptr,
     h_ptr,
     h_desc,
+    squares_ptr,
     M,
     F,
     K,
@@ -222,6 +245,8 @@ def _swiglu_fwd_kernel(
     stride_xk,
     stride_wk,
     stride_wn,
+    inv_cols,
+    eps,
     TAIL: tl.constexpr,
     IEEE: tl.constexpr,
     PAIR: tl.constexpr,
@@ -233,6 +258,7 @@ def _swiglu_fwd_kernel(
     PERSISTENT: tl.constexpr,
     STORE_H: tl.constexpr,
     H_TMA: tl.constexpr,
+    SLOTS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """h = x @ w_gate_up and a over units [first_unit, first_unit + units_here): whole pair
@@ -240,21 +266,21 @@ def _swiglu_fwd_kernel(
     gemm's ``mainloop``). PERSISTENT: each program loops over tiles, the tile loop flattened
     into the K loop so that the next tile's loads start during this tile's epilogue (whole
     pair blocks only: the other tiles' column masks would leave B's loads synchronous).
-    STORE_H, H_TMA: see :func:`_swiglu_fwd_tile`."""
+    STORE_H, H_TMA, SLOTS: see :func:`_swiglu_fwd_tile`."""
     wait_for_producers(PDL)
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, BLOCK_F)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
             _swiglu_fwd_tile(
-                tile, x_ptr, w_ptr, a_ptr, h_ptr, h_desc, M, F, K, first_unit, units_here, stride_xm, stride_xk,
-                stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, STORE_H,
-                H_TMA,
+                tile, x_ptr, w_ptr, a_ptr, h_ptr, h_desc, squares_ptr, M, F, K, first_unit, units_here, stride_xm,
+                stride_xk, stride_wk, stride_wn, inv_cols, eps, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M,
+                B_K_MAJOR, STORE_H, H_TMA, SLOTS,
             )  # fmt: skip
     else:
         _swiglu_fwd_tile(
-            tl.program_id(0), x_ptr, w_ptr, a_ptr, h_ptr, h_desc, M, F, K, first_unit, units_here, stride_xm,
-            stride_xk, stride_wk, stride_wn, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K, GROUP_M, B_K_MAJOR, STORE_H,
-            H_TMA,
+            tl.program_id(0), x_ptr, w_ptr, a_ptr, h_ptr, h_desc, squares_ptr, M, F, K, first_unit, units_here,
+            stride_xm, stride_xk, stride_wk, stride_wn, inv_cols, eps, TAIL, IEEE, PAIR, BLOCK_M, BLOCK_F, BLOCK_K,
+            GROUP_M, B_K_MAJOR, STORE_H, H_TMA, SLOTS,
         )  # fmt: skip
 
 
@@ -427,11 +453,21 @@ def _fwd_plan(
 
 
 def swiglu_fwd(
-    x2d: torch.Tensor, w_gate_up: torch.Tensor, plan: GemmPlan | None = None, store_h: bool = True
+    x2d: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    plan: GemmPlan | None = None,
+    store_h: bool = True,
+    row_squares: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(a, h)``: a = silu(gate) * up [M, F] and h = x @ w_gate_up [M, 2F], x's dtype
     (``plan``: the GEMM's launch settings, by default :func:`_fwd_plan`'s; ``store_h``
     False: h, which only backward needs, is neither allocated nor written, and is None).
+
+    With ``row_squares`` (fp32 ``[slots, M]``, partial sums of squares of each row of an
+    RMSNorm's input s, with x = s * weight): h = (x @ w_gate_up) / rms(s), the row scale
+    applied to the fp32 accumulator, so the SwiGLU sees RMSNorm(s) @ w_gate_up; rms over
+    K columns, with ``eps`` (:func:`lstrain.ops.linear_add_rms_norm_swiglu`).
 
     Under a persistent plan (``plan.persistent``) whole pair blocks run as persistent
     programs, their tile loop flattened into the K loop (the next tile's loads overlap this
@@ -456,11 +492,12 @@ def swiglu_fwd(
         persistent = plan.persistent and not tail and block_f == PAIR_BLOCK
         h_desc = _tma_descriptor(h, [plan.block_m, block_f], device) if persistent and store_h else None
         _swiglu_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
-            x2d, w_gate_up, a, h, h_desc, m, f, k, first, units,
-            x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
+            x2d, w_gate_up, a, h, h_desc, row_squares, m, f, k, first, units,
+            x2d.stride(0), x2d.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), 1.0 / max(k, 1), eps,
             TAIL=tail, IEEE=x2d.dtype == torch.float32, PAIR=PAIR_BLOCK,
             BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
             B_K_MAJOR=k_major(w_gate_up), PERSISTENT=persistent, STORE_H=store_h, H_TMA=h_desc is not None,
+            SLOTS=0 if row_squares is None else row_squares.shape[0],
             num_warps=plan.num_warps, num_stages=plan.stages(persistent),
             **_backend.dependent_launch(x2d),
         )  # fmt: skip
@@ -554,6 +591,31 @@ def swiglu_bwd_new_op(
     return torch.empty_like(h), h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
 
 
+def swiglu_grad(
+    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, write_a: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward's epilogue kernel (:func:`swiglu_bwd`) from inside an autograd backward.
+
+    Args:
+        dy2d: ``[M, D_out]`` gradient of the MLP's output.
+        w_down: ``[F, D_out]``.
+        h: the saved ``[M, 2F]`` gate and up pre-activations.
+        write_a: also write the activation a again, for dW_down.
+
+    Returns:
+        ``(dh, a)``, a None without ``write_a``. In eager mode dh is written over h where
+        the graph goes with this backward (one [tokens, 2F] buffer fewer); under
+        torch.compile, the custom op into new tensors.
+    """
+    if torch.compiler.is_compiling():
+        dh, written = swiglu_bwd_new_op(dy2d, w_down, h, write_a)
+        return dh, written if write_a else None
+    dh = h if graph_freed_after_backward() else torch.empty_like(h)
+    written = h.new_empty((h.shape[0], h.shape[1] // 2)) if write_a else None
+    swiglu_bwd(dy2d, w_down, h, dh, written)
+    return dh, written
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[tokens, t.shape[-1]]``, strides kept where a view can; ``reshape(-1, 0)``
     cannot count the tokens of a zero-width tensor."""
@@ -582,13 +644,7 @@ class SwiGLUFunction(torch.autograd.Function):
         needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dh, a = None, (kept[0] if kept else None)
         if needs_dh or not kept:  # the kernel that writes dh is the one that writes a again
-            if torch.compiler.is_compiling():
-                dh, written = swiglu_bwd_new_op(dy2d, w_down, h, not kept)
-            else:
-                # over h where the graph goes with this backward: one [tokens, 2F] buffer fewer
-                dh = h if graph_freed_after_backward() else torch.empty_like(h)
-                written = None if kept else h.new_empty((h.shape[0], h.shape[1] // 2))
-                swiglu_bwd(dy2d, w_down, h, dh, written)
+            dh, written = swiglu_grad(dy2d, w_down, h, write_a=not kept)
             a = kept[0] if kept else written
         # weight gradients in the weights' layouts: a w.t() view's gradient reaches .grad contiguous
         dw_down = matmul_like(a.t(), dy2d, w_down) if ctx.needs_input_grad[2] else None

@@ -34,6 +34,8 @@ from lstrain.ops import (
     gemm_ref,
     layer_norm,
     layer_norm_ref,
+    linear_add_rms_norm_swiglu,
+    linear_add_rms_norm_swiglu_ref,
     linear_cross_entropy,
     linear_cross_entropy_ref,
     qkv_projection,
@@ -63,6 +65,7 @@ from lstrain.testing.strategies import (
     embedding_cases,
     gemm_cases,
     layer_norm_cases,
+    linear_add_rms_norm_swiglu_cases,
     linear_cross_entropy_cases,
     qkv_projection_cases,
     rms_norm_cases,
@@ -552,6 +555,42 @@ def _run_swiglu(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
+def _run_linear_add_rms_norm_swiglu(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    m, k, d, f, dtype = case["tokens"], case["in_features"], case["hidden"], case["intermediate"], case["dtype"]
+    inputs = {
+        "x": _randn((m, k), gen, device, dtype),
+        "weight": _randn((d, k), gen, device, dtype) * k**-0.5,
+        "residual": _randn((m, d), gen, device, dtype),
+        "norm_weight": _randn((d,), gen, device, dtype, mean=1.0),
+        "w_gate_up": _randn((d, 2 * f), gen, device, dtype) * d**-0.5,
+        "w_down": _randn((f, d), gen, device, dtype) * f**-0.5,
+    }
+    if case["bias"]:
+        inputs["bias"] = _randn((d,), gen, device, dtype)
+    eps = default_eps(dtype)  # the reference's fp64 default would differ
+
+    # Both outputs side by side in one tensor, which the tolerance rule takes; the
+    # gradient of the concatenation gives each output its own upstream gradient.
+    def run(fn):
+        def both(**kw):
+            weights = (kw["norm_weight"], kw["w_gate_up"], kw["w_down"])
+            y_and_s = fn(kw["x"], kw["weight"], kw["residual"], *weights, bias=kw.get("bias"), eps=eps)
+            return torch.cat(y_and_s, dim=-1)
+
+        return both
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(linear_add_rms_norm_swiglu),
+            run(linear_add_rms_norm_swiglu_ref),
+            inputs,
+            atol=_atol(dtype, device),
+            generator=gen,
+        )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
 OP_CHECKS: dict[str, OpCheck] = {
     "layer_norm": OpCheck("layer_norm", layer_norm_cases, _run_layer_norm),
     "rms_norm": OpCheck("rms_norm", rms_norm_cases, _run_rms_norm),
@@ -599,5 +638,12 @@ OP_CHECKS: dict[str, OpCheck] = {
         _run_swiglu,
         cpu_dtypes=GEMM_CPU_DTYPES,
         sizes=lambda case: (case["tokens"], case["hidden"], case["intermediate"]),
+    ),
+    "linear_add_rms_norm_swiglu": OpCheck(
+        "linear_add_rms_norm_swiglu",
+        linear_add_rms_norm_swiglu_cases,
+        _run_linear_add_rms_norm_swiglu,
+        cpu_dtypes=GEMM_CPU_DTYPES,
+        sizes=lambda case: (case["tokens"], case["in_features"], case["hidden"], case["intermediate"]),
     ),
 }

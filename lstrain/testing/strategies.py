@@ -39,6 +39,7 @@ __all__ = [
     "silu_mul_cases",
     "silu_mul_linear_cases",
     "swiglu_cases",
+    "linear_add_rms_norm_swiglu_cases",
     "size_limits",
 ]
 
@@ -406,6 +407,23 @@ def swiglu_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) ->
         "tokens": draw(size),
         "hidden": draw(size),
         "intermediate": draw(size),
+        "dtype": dtype or draw(st.sampled_from(GEMM_CPU_DTYPES if small else FLOAT_DTYPES)),
+        "seed": draw(seeds()),
+    }
+
+
+@st.composite
+def linear_add_rms_norm_swiglu_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """An output projection + residual + RMSNorm + SwiGLU MLP case: tokens, the projection's
+    inputs K, the model width D, the MLP's width F, a bias or not (fp32/fp16 on the CPU)."""
+    small = device == "cpu"
+    size = st.integers(1, 80 if small else 640)
+    return {
+        "tokens": draw(size),
+        "in_features": draw(size),
+        "hidden": draw(size),
+        "intermediate": draw(size),
+        "bias": draw(st.booleans()),
         "dtype": dtype or draw(st.sampled_from(GEMM_CPU_DTYPES if small else FLOAT_DTYPES)),
         "seed": draw(seeds()),
     }

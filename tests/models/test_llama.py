@@ -85,6 +85,40 @@ def test_loss_and_every_gradient_match_the_unfused_twin(padding, overrides):
     assert_all_passed(comparisons)
 
 
+def _norm_in_epilogue(model, on=True):
+    for layer in model.model.layers:
+        layer.norm_in_epilogue = on
+    return model
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_norm_in_epilogue_matches_the_unfused_twin(padding):
+    """Every layer's attention output projection, residual add, norm and MLP as
+    ``linear_add_rms_norm_swiglu`` (the o_proj bias too): the loss and every gradient."""
+    fused, plain = twins(attention_bias=True)
+    _norm_in_epilogue(fused)
+    ids, labels, mask = batch(TINY["vocab_size"], padding=padding)
+    with record_backends() as ran:
+        comparisons = check_module(
+            _Loss(fused, labels, mask), _Loss(plain, labels, mask), ids, generator=torch.Generator().manual_seed(0)
+        )
+    ops = [op for op, _ in ran]
+    assert "swiglu_mlp" not in ops and ops.count("linear_add_rms_norm_swiglu") >= TINY["num_hidden_layers"]
+    assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
+    assert_all_passed(comparisons)
+
+
+def test_norm_in_epilogue_stays_off_under_autocast():
+    """Autocast would cast an fp32 residual stream down: the layer keeps the unfused path."""
+    fused, _ = twins()
+    _norm_in_epilogue(fused)
+    ids, labels, _ = batch(TINY["vocab_size"], padding=False)
+    device_type = torch.device(DEVICE).type
+    with record_backends() as ran, torch.autocast(device_type, dtype=torch.bfloat16):
+        fused(ids, labels=labels)
+    assert "linear_add_rms_norm_swiglu" not in {op for op, _ in ran}
+
+
 def test_logits_match_the_unfused_twin():
     fused, plain = twins()
     ids, _, mask = batch(TINY["vocab_size"])
@@ -237,9 +271,11 @@ def test_ids_are_checked_only_on_the_cpu_by_default():
     model._check_inputs(ids, None, None, check_ids=None)  # reading meta ids would raise
 
 
+@pytest.mark.parametrize("norm_in_epilogue", [False, True])
 @pytest.mark.parametrize("padding", [True, False])  # GQA: k/v repeated for the mask, or enable_gqa
-def test_torch_compile_fullgraph_of_forward_and_loss(padding):
+def test_torch_compile_fullgraph_of_forward_and_loss(padding, norm_in_epilogue):
     fused, _ = twins()
+    _norm_in_epilogue(fused, norm_in_epilogue)
     ids, labels, mask = batch(TINY["vocab_size"], padding=padding)
 
     def step(input_ids):
@@ -391,6 +427,17 @@ MEDIUM = {
 def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding):
     fused, plain = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
     ids, labels, mask = batch(MEDIUM["vocab_size"], size=(4, 512), device="cuda", padding=padding)
+    comparisons = check_module(
+        _Loss(fused, labels, mask), _Loss(plain, labels, mask), ids, generator=torch.Generator().manual_seed(0)
+    )
+    assert_all_passed(comparisons)
+
+
+@pytest.mark.gpu
+def test_norm_in_epilogue_matches_the_unfused_twin_bf16_on_the_gpu():
+    fused, plain = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
+    _norm_in_epilogue(fused)
+    ids, labels, mask = batch(MEDIUM["vocab_size"], size=(4, 512), device="cuda", padding=False)
     comparisons = check_module(
         _Loss(fused, labels, mask), _Loss(plain, labels, mask), ids, generator=torch.Generator().manual_seed(0)
     )
