@@ -268,7 +268,10 @@ class Llama(torch.nn.Module):
     states (no logits). For memory, backward makes again what is cheap to make: the SwiGLU
     activation (in ``swiglu_bwd``'s epilogue) and the layers' norm outputs
     (``DecoderLayer.recompute_norms``; set it False on ``model.model.layers`` to keep them),
-    the same bits either way. Unfused: ``nn.Embedding``, ``torch.nn.RMSNorm``, plain-torch layers,
+    the same bits either way. ``DecoderLayer.norm_in_epilogue`` (off: it measured slower)
+    moves each post-attention residual add and norm into GEMM epilogues
+    (:func:`lstrain.ops.linear_add_rms_norm_swiglu`). Unfused: ``nn.Embedding``,
+    ``torch.nn.RMSNorm``, plain-torch layers,
     the logits and ``F.cross_entropy`` on them in fp32 (as HF computes it).
 
     State_dict keys and layouts are HF ``LlamaForCausalLM``'s. Initialisation is HF's:

@@ -13,7 +13,10 @@ per row, so no kernel needs a whole row before the next GEMM starts:
   rounded.
 
 Against the unfused path (cuBLAS GEMM, :func:`lstrain.ops.add_rms_norm`, SwiGLU) forward
-reads and writes two [rows, D] tensors fewer and launches one kernel fewer. The rounding
+reads and writes two [rows, D] tensors fewer and launches one kernel fewer, but the
+projection runs in lstrain's Triton GEMM instead of cuBLAS's, with a heavier epilogue:
+at LLaMA-0.75B's shapes on an H200 the whole was slower (docs/notes/llama.md), and
+:class:`lstrain.layers.DecoderLayer` takes it only when asked (``norm_in_epilogue``). The rounding
 moves: s is rounded once instead of the projection's output and then the sum, and the
 GEMM's input is ``s * g`` rounded rather than ``s * r * g`` rounded, with r applied in fp32
 after it (docs/notes/llama.md measures both paths' error against fp32).

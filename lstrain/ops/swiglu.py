@@ -644,7 +644,8 @@ class SwiGLUFunction(torch.autograd.Function):
         needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dh, a = None, (kept[0] if kept else None)
         if needs_dh or not kept:  # the kernel that writes dh is the one that writes a again
-            dh, written = swiglu_grad(dy2d, w_down, h, write_a=not kept)
+            # len(), not `not kept`: Dynamo (torch 2.11) cannot pass `not` of a tuple as a value
+            dh, written = swiglu_grad(dy2d, w_down, h, write_a=len(kept) == 0)
             a = kept[0] if kept else written
         # weight gradients in the weights' layouts: a w.t() view's gradient reaches .grad contiguous
         dw_down = matmul_like(a.t(), dy2d, w_down) if ctx.needs_input_grad[2] else None
