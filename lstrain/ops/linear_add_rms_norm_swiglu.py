@@ -42,7 +42,7 @@ from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like
 from lstrain.ops.add_rms_norm import add_rms_norm_bwd_op
-from lstrain.ops.gemm import GemmPlan, gemm_plan, mainloop, tile_ids
+from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
 from lstrain.ops.linear import linear_ref
 from lstrain.ops.rms_norm import rms_norm_arguments, rms_norm_fwd_op, rms_norm_ref
 from lstrain.ops.swiglu import swiglu_fwd, swiglu_grad, swiglu_mlp_ref
@@ -50,7 +50,6 @@ from lstrain.ops.swiglu import swiglu_fwd, swiglu_grad, swiglu_mlp_ref
 __all__ = [
     "LinearAddRMSNormSwiGLUFunction",
     "linear_add_rms_norm_fwd",
-    "linear_add_rms_norm_plan",
     "linear_add_rms_norm_swiglu",
     "linear_add_rms_norm_swiglu_ref",
     "squares_slots",
@@ -213,29 +212,19 @@ def _linear_add_rms_norm_fwd_kernel(
         )  # fmt: skip
 
 
-def linear_add_rms_norm_plan(
-    m: int, n: int, k: int, element_size: int, shared_memory: int = _backend.HOPPER_SHARED_MEMORY
-) -> GemmPlan:
-    """The projection's launch settings: gemm's plan for the shape (its large plan
-    persistent where N is a multiple of its tile width). A pure function.
-
-    Args:
-        m, n, k: rows, the norm's width (the projection's outputs) and its inputs.
-        element_size: bytes per input element.
-        shared_memory: per program, of the device (``_backend.shared_memory_per_program``).
-
-    Returns:
-        The plan. Whatever it is, each row gets ``cdiv(n, SLOT_COLS)`` partial sums of
-        squares (:func:`squares_slots`): tiles 128 or more wide run their epilogue in halves
-        of at least SLOT_COLS, 64 wide whole, narrower ones only where one tile covers N.
-    """
-    return gemm_plan(m, n, k, element_size, shared_memory)
-
-
 def squares_slots(n: int) -> int:
     """Partial sums of squares per row for a norm over ``n`` columns: one per SLOT_COLS
-    columns, so that the count depends on the width alone (the fake kernel under
-    torch.compile knows no plan)."""
+    columns, a count fixed by the width alone (the fake kernel under torch.compile knows no
+    launch plan). Whatever gemm's plan for the projection, each slot is written by exactly
+    one epilogue chunk: tiles 128 or more wide run their epilogue in halves of at least
+    SLOT_COLS, 64 wide whole, and narrower ones only where one tile covers all of N.
+
+    Args:
+        n: the norm's width (the projection's outputs).
+
+    Returns:
+        ``cdiv(n, SLOT_COLS)``.
+    """
     return cdiv(n, SLOT_COLS)
 
 
@@ -268,7 +257,8 @@ def linear_add_rms_norm_fwd(
     if m == 0 or n == 0:
         return s, scaled, squares
     device = _backend.device_index(x2d)
-    plan = linear_add_rms_norm_plan(m, n, k, x2d.element_size(), _backend.shared_memory_per_program(device))
+    # gemm's plan for the shape; its large plan is persistent where N is a multiple of its tile
+    plan = gemm_plan(m, n, k, x2d.element_size(), _backend.shared_memory_per_program(device))
     persistent = plan.persistent and n % plan.block_n == 0
     tiles = cdiv(m, plan.block_m) * cdiv(n, plan.block_n)
     sms = _backend.multiprocessor_count(device)
@@ -309,9 +299,18 @@ def linear_add_rms_norm_fwd_op(
 def swiglu_fwd_row_scaled(
     scaled: torch.Tensor, w_gate_up: torch.Tensor, squares: torch.Tensor, eps: float, store_h: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, h)`` of the SwiGLU forward on RMSNorm(s) given ``s * g`` and s's partial sums
-    of squares (:func:`lstrain.ops.swiglu.swiglu_fwd`'s ``row_squares``); h is ``[M, 0]``
-    without ``store_h`` (inference)."""
+    """The SwiGLU forward on RMSNorm(s) * g, given ``s * g`` and s's partial sums of squares.
+
+    Args:
+        scaled: ``[M, D]``, s * g as :func:`linear_add_rms_norm_fwd` wrote it.
+        w_gate_up: ``[D, 2F]`` in the pair layout.
+        squares: fp32 ``[slots, M]`` (:func:`lstrain.ops.swiglu.swiglu_fwd`'s ``row_squares``).
+        eps: the norm's epsilon.
+        store_h: write h for backward (False: inference).
+
+    Returns:
+        ``(a, h)``: a ``[M, F]``; h ``[M, 2F]``, or ``[M, 0]`` without ``store_h``.
+    """
     a, h = swiglu_fwd(scaled, w_gate_up, store_h=store_h, row_squares=squares, eps=eps)
     return a, h if store_h else scaled.new_empty((scaled.shape[0], 0))
 

@@ -4,12 +4,8 @@ from hypothesis import example, given
 
 from lstrain._backend import record_backends
 from lstrain.ops import add_rms_norm, linear, linear_add_rms_norm_swiglu, linear_add_rms_norm_swiglu_ref, swiglu_mlp
-from lstrain.ops.linear_add_rms_norm_swiglu import (
-    SLOT_COLS,
-    LinearAddRMSNormSwiGLUFunction,
-    linear_add_rms_norm_plan,
-    squares_slots,
-)
+from lstrain.ops.gemm import gemm_plan
+from lstrain.ops.linear_add_rms_norm_swiglu import SLOT_COLS, LinearAddRMSNormSwiGLUFunction, squares_slots
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import linear_add_rms_norm_swiglu_cases
@@ -46,7 +42,7 @@ def test_matches_torch(case):
 def test_16_bit_large_plan_runs_persistent():
     """D = 2048 and 2048 tokens: the projection's 128 x 256 persistent plan, its epilogue in
     halves (32 slots a row), and SwiGLU's persistent pair-block launch with the row scale."""
-    plan = linear_add_rms_norm_plan(2048, 2048, 16, 2)
+    plan = gemm_plan(2048, 2048, 16, 2)
     assert plan.persistent and plan.block_n == 256
     result = CHECK.run(_case(2048, 16, 2048, 136, LOW, seed=3), DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
@@ -63,7 +59,7 @@ def test_squares_slots(n, slots):
 def test_every_plan_covers_the_slots_once(m, n):
     """Each plan's epilogue chunks are SLOT_COLS-aligned multiples of it (in halves from 128
     columns), or one tile covers all of N: every slot is written by exactly one chunk."""
-    plan = linear_add_rms_norm_plan(m, n, 64, 2)
+    plan = gemm_plan(m, n, 64, 2)
     chunk = plan.block_n // 2 if plan.block_n >= 2 * SLOT_COLS else plan.block_n
     assert chunk % SLOT_COLS == 0 or plan.block_n >= n
 
