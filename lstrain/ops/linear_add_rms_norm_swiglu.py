@@ -40,7 +40,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like
+from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, matmul_like
 from lstrain.ops.add_rms_norm import add_rms_norm_bwd_op
 from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
 from lstrain.ops.linear import linear_ref
@@ -55,7 +55,9 @@ __all__ = [
     "squares_slots",
 ]
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# not float16: s * g is stored before the 1/rms scale, and fp16's range (65504) is exceeded
+# by outlier channels that RMSNorm(s) * g keeps in range
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Columns per partial sum of squares: the narrowest epilogue of gemm's plans, past N <= 32
 SLOT_COLS = 64
 
@@ -232,7 +234,7 @@ def linear_add_rms_norm_fwd(
     x2d: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    residual2d: torch.Tensor,
+    residual: torch.Tensor,
     norm_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the projection with the norm's epilogue on validated inputs.
@@ -240,19 +242,22 @@ def linear_add_rms_norm_fwd(
     Args:
         x2d: ``[M, K]``.
         weight: ``[N, K]`` (a Linear's layout), x's dtype.
-        bias: ``[N]`` or None.
-        residual2d: ``[M, N]``, x's dtype, last dim contiguous.
+        bias: ``[N]``, contiguous, or None.
+        residual: ``[*, N]`` with M rows, x's dtype.
         norm_weight: ``[N]``, contiguous.
 
     Returns:
-        ``(s, scaled, squares)``: s = x @ weight^T + bias + residual and scaled = s * g,
-        ``[M, N]`` in x's dtype (contiguous); squares fp32 ``[slots, M]``, the partial sums of
-        squares of s per row (:func:`squares_slots`).
+        ``(s, scaled, squares)``: s = x @ weight^T + bias + residual, shaped like the
+        residual, and scaled = s * g ``[M, N]``, both in x's dtype (contiguous); squares fp32
+        ``[slots, M]``, the partial sums of squares of s per row (:func:`squares_slots`).
     """
     m, k = x2d.shape
     n = weight.shape[0]
-    s = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
-    scaled = torch.empty_like(s)
+    residual2d = as_rows(residual, n)
+    # s in the residual's shape: returned as it is, not as a view, so that it may be
+    # changed in place like any other stream
+    s = torch.empty(residual.shape, dtype=x2d.dtype, device=x2d.device)
+    scaled = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     squares = torch.empty((squares_slots(n), m), dtype=torch.float32, device=x2d.device)
     if m == 0 or n == 0:
         return s, scaled, squares
@@ -264,7 +269,7 @@ def linear_add_rms_norm_fwd(
     sms = _backend.multiprocessor_count(device)
     w = weight.t()
     _linear_add_rms_norm_fwd_kernel[(min(sms, tiles) if persistent else tiles,)](
-        x2d, w, residual2d, bias, norm_weight, s, scaled, squares,
+        x2d, w, residual2d, bias, norm_weight, s.view(m, n), scaled, squares,
         m, n, k,
         x2d.stride(0), x2d.stride(1), w.stride(0), w.stride(1), residual2d.stride(0),
         HAS_BIAS=bias is not None,
@@ -288,12 +293,12 @@ def linear_add_rms_norm_fwd_op(
     x2d: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    residual2d: torch.Tensor,
+    residual: torch.Tensor,
     norm_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x2d.shape[0], weight.shape[0]
-    s = x2d.new_empty((m, n))
-    return s, torch.empty_like(s), x2d.new_empty((squares_slots(n), m), dtype=torch.float32)
+    s = residual.new_empty(residual.shape, dtype=x2d.dtype)
+    return s, x2d.new_empty((m, n)), x2d.new_empty((squares_slots(n), m), dtype=torch.float32)
 
 
 def swiglu_fwd_row_scaled(
@@ -330,20 +335,20 @@ class LinearAddRMSNormSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, norm_weight, eps, w_gate_up, w_down):
         x2d = as_rows(x, x.shape[-1])
-        residual2d = as_rows(residual, residual.shape[-1])
-        s, scaled, squares = linear_add_rms_norm_fwd_op(x2d, weight, bias, residual2d, norm_weight)
+        s, scaled, squares = linear_add_rms_norm_fwd_op(x2d, weight, bias, residual, norm_weight)
         a, h = swiglu_fwd_row_scaled_op(scaled, w_gate_up, squares, eps, True)
-        y = a @ w_down
+        y = _down(a, w_down, residual.shape)
         ctx.save_for_backward(x2d, weight, s, norm_weight, w_gate_up, w_down, h)
         ctx.eps, ctx.has_bias, ctx.x_shape = eps, bias is not None, x.shape
         # An unused output's gradient stays None instead of a tensor of zeros to read.
         ctx.set_materialize_grads(False)
-        return y.view(*residual.shape[:-1], w_down.shape[1]), s.view(residual.shape)
+        return y, s
 
     @staticmethod
     def backward(ctx, dy, ds_out):
         refuse_create_graph("linear_add_rms_norm_swiglu")
         x2d, weight, s, norm_weight, w_gate_up, w_down, h = ctx.saved_tensors
+        s = as_rows(s, s.shape[-1])
         need_x, need_weight, need_bias, need_residual, need_norm_weight, _, need_gate_up, need_down = (
             ctx.needs_input_grad
         )
@@ -389,11 +394,13 @@ def linear_add_rms_norm_swiglu(
 
     The end of a pre-norm decoder layer's attention sublayer (its output projection, the
     residual add, the post-attention RMSNorm) and the SwiGLU MLP after it. Under
-    ``torch.autocast``, the inputs are first cast to its dtype, as a matmul's are.
+    ``torch.autocast``, x and the projection and MLP weights are first cast to its dtype,
+    as a matmul's are; the residual stream is not (one in a wider dtype is refused).
 
     Args:
-        x: ``[*, K]``, the attention's output before its projection; float32, float16 or
-            bfloat16.
+        x: ``[*, K]``, the attention's output before its projection; float32 or bfloat16
+            (not float16: ``s * g`` is stored before the 1/rms scale and would overflow
+            fp16's range where the unfused path's ``s * g / rms`` does not).
         weight: ``[D, K]``, the projection's weight (a Linear's layout), x's dtype.
         residual: ``[*, D]``, the residual stream, x's leading shape and dtype (its last dim
             contiguous, or it is copied).
@@ -412,7 +419,8 @@ def linear_add_rms_norm_swiglu(
         RuntimeError: (from backward) ``create_graph=True``: second derivatives are not
             supported.
     """
-    x, weight, bias, residual, w_gate_up, w_down = autocast_inputs(x, weight, bias, residual, w_gate_up, w_down)
+    # the residual stream is not cast: autocast would round it down (then refused below)
+    x, weight, bias, w_gate_up, w_down = autocast_inputs(x, weight, bias, w_gate_up, w_down)
     _check(x, weight, bias, residual, w_gate_up, w_down)
     if not isinstance(norm_weight, torch.Tensor):
         raise ValueError(
@@ -423,15 +431,20 @@ def linear_add_rms_norm_swiglu(
     _backend.note("linear_add_rms_norm_swiglu", backend)
     if backend == "reference":
         return linear_add_rms_norm_swiglu_ref(x, weight, residual, norm_weight, w_gate_up, w_down, bias=bias, eps=eps)
-    norm_weight = norm_weight.contiguous()
+    norm_weight, bias = norm_weight.contiguous(), contiguous_or_none(bias)
     if differentiated(x, weight, bias, residual, norm_weight, w_gate_up, w_down):
         return LinearAddRMSNormSwiGLUFunction.apply(x, weight, bias, residual, norm_weight, eps, w_gate_up, w_down)
     # inference: h, which only backward reads, is not even written
-    s, scaled, squares = linear_add_rms_norm_fwd_op(
-        as_rows(x, x.shape[-1]), weight, bias, as_rows(residual, dim), norm_weight
-    )
+    s, scaled, squares = linear_add_rms_norm_fwd_op(as_rows(x, x.shape[-1]), weight, bias, residual, norm_weight)
     a, _ = swiglu_fwd_row_scaled_op(scaled, w_gate_up, squares, eps, False)
-    return (a @ w_down).view(*residual.shape[:-1], w_down.shape[1]), s.view(residual.shape)
+    return _down(a, w_down, residual.shape), s
+
+
+def _down(a: torch.Tensor, w_down: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``a @ w_down`` shaped ``[*shape[:-1], D_out]``: through matmul, whose result is a
+    tensor of its own, not a view (an autograd Function's view outputs refuse in-place
+    changes)."""
+    return torch.matmul(a.view(*shape[:-1], a.shape[-1]), w_down)
 
 
 def _check(x, weight, bias, residual, w_gate_up, w_down) -> None:
@@ -440,7 +453,10 @@ def _check(x, weight, bias, residual, w_gate_up, w_down) -> None:
     if x.dim() == 0:
         raise ValueError(f"{name}: x must be [*, K] (at least one dim), got a 0-d tensor")
     if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+        raise ValueError(
+            f"{name}: x has dtype {x.dtype}; expected float32 or bfloat16 (float16 would store s * g "
+            "before the 1/rms scale, which overflows its range where the unfused path does not)"
+        )
     tensors = {"weight": weight, "residual": residual, "w_gate_up": w_gate_up, "w_down": w_down, "bias": bias}
     for what, t in tensors.items():
         if t is None:

@@ -415,7 +415,8 @@ def swiglu_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) ->
 @st.composite
 def linear_add_rms_norm_swiglu_cases(draw, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
     """An output projection + residual + RMSNorm + SwiGLU MLP case: tokens, the projection's
-    inputs K, the model width D, the MLP's width F, a bias or not (fp32/fp16 on the CPU)."""
+    inputs K, the model width D, the MLP's width F, a bias or not; fp32 (and bf16 on a GPU:
+    the op refuses fp16, the interpreter's bf16 dot is wrong)."""
     small = device == "cpu"
     size = st.integers(1, 80 if small else 640)
     return {
@@ -424,6 +425,6 @@ def linear_add_rms_norm_swiglu_cases(draw, device: str = "cpu", dtype: torch.dty
         "hidden": draw(size),
         "intermediate": draw(size),
         "bias": draw(st.booleans()),
-        "dtype": dtype or draw(st.sampled_from(GEMM_CPU_DTYPES if small else FLOAT_DTYPES)),
+        "dtype": dtype or draw(st.sampled_from((torch.float32,) if small else (torch.float32, torch.bfloat16))),
         "seed": draw(seeds()),
     }

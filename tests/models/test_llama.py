@@ -119,6 +119,23 @@ def test_norm_in_epilogue_stays_off_under_autocast():
     assert "linear_add_rms_norm_swiglu" not in {op for op, _ in ran}
 
 
+def test_norm_in_epilogue_takes_the_unfused_path_where_the_op_does_not_fit():
+    """fp16 (the op would overflow), a stream in another dtype than the weights, hooks or
+    options on the MLP module that the op would skip: the layer takes the unfused path."""
+    fused, _ = twins()
+    layer = _norm_in_epilogue(fused).model.layers[0]
+    stream = torch.zeros(2, 3, TINY["hidden_size"], device=DEVICE)
+    assert layer._epilogue_norm(stream)
+    assert not layer._epilogue_norm(stream.double())
+    handle = layer.mlp.register_forward_hook(lambda module, args, output: None)
+    assert not layer._epilogue_norm(stream)
+    handle.remove()
+    layer.mlp.keep_activation = True
+    assert not layer._epilogue_norm(stream)
+    half = _norm_in_epilogue(twins(dtype=torch.float16)[0]).model.layers[0]
+    assert not half._epilogue_norm(stream.half())
+
+
 def test_logits_match_the_unfused_twin():
     fused, plain = twins()
     ids, _, mask = batch(TINY["vocab_size"])
