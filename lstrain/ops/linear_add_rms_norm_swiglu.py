@@ -353,23 +353,27 @@ class LinearAddRMSNormSwiGLUFunction(torch.autograd.Function):
             ctx.needs_input_grad
         )
         ds_out = None if ds_out is None else as_rows(ds_out, s.shape[1])
-        dnorm_weight = dw_gate_up = dw_down = None
+        # s's own inputs may all be frozen: then nothing goes back through the norm
+        need_ds = need_x or need_weight or need_bias or need_residual or need_norm_weight
+        ds = dnorm_weight = dw_gate_up = dw_down = None
         if dy is None:  # only s was used: its gradient passes straight through
             ds = ds_out
         else:
             dy2d = as_rows(dy, dy.shape[-1])
             dh, a = swiglu_grad(dy2d, w_down, h, write_a=True)
             dw_down = matmul_like(a.t(), dy2d, w_down) if need_down else None
-            normed, rstd = rms_norm_fwd_op(s, [s.shape[1]], norm_weight, ctx.eps)
-            dw_gate_up = matmul_like(normed.t(), dh, w_gate_up) if need_gate_up else None
-            dnormed = dh @ w_gate_up.t()
-            into = (grad_place(norm_weight) if need_norm_weight else None,)
-            grads = add_rms_norm_bwd_op(
-                dnormed, ds_out, s, norm_weight, rstd, [s.shape[1]], need_norm_weight, into=into
-            )
-            ds = grads[0]
-            dnorm_weight = grads[1] if need_norm_weight else None
-        if ds is None:
+            if need_gate_up or need_ds:
+                normed, rstd = rms_norm_fwd_op(s, [s.shape[1]], norm_weight, ctx.eps)
+            if need_gate_up:
+                dw_gate_up = matmul_like(normed.t(), dh, w_gate_up)
+            if need_ds:
+                into = (grad_place(norm_weight) if need_norm_weight else None,)
+                grads = add_rms_norm_bwd_op(
+                    dh @ w_gate_up.t(), ds_out, s, norm_weight, rstd, [s.shape[1]], need_norm_weight, into=into
+                )
+                ds = grads[0]
+                dnorm_weight = grads[1] if need_norm_weight else None
+        if ds is None or not need_ds:
             return None, None, None, None, dnorm_weight, None, dw_gate_up, dw_down
         dx = (ds @ weight).view(ctx.x_shape) if need_x else None
         dweight = matmul_like(ds.t(), x2d, weight) if need_weight else None

@@ -132,6 +132,24 @@ def test_one_output_used(device, used):
             torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("trained", [("w_down",), ("w_gate_up", "w_down"), ("norm_weight",)])
+def test_only_some_inputs_require_grad(device, trained):
+    """Frozen inputs (a fine-tuned MLP over a frozen projection, say): the gradients asked
+    for match the reference, and backward skips what only the frozen ones would need."""
+    names = ("x", "weight", "residual", "norm_weight", "w_gate_up", "w_down")
+    tensors, _ = _inputs(device, torch.float32)
+    ours = [t.clone().requires_grad_(name in trained) for name, t in zip(names, tensors, strict=True)]
+    ref = [t.double().requires_grad_(name in trained) for name, t in zip(names, tensors, strict=True)]
+    y, s = linear_add_rms_norm_swiglu(*ours)
+    y_ref, s_ref = linear_add_rms_norm_swiglu_ref(*ref, eps=torch.finfo(torch.float32).eps)
+    (y.square().sum() + s.sum()).backward()
+    (y_ref.square().sum() + s_ref.sum()).backward()
+    for name, mine, theirs in zip(names, ours, ref, strict=True):
+        assert (mine.grad is None) == (name not in trained)
+        if name in trained:
+            torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_torch_compile_fullgraph(device):
     tensors, b = _inputs(device, torch.float32, bias=True)
     params = [t.clone().requires_grad_() for t in tensors[1:]] + [b.clone().requires_grad_()]
