@@ -114,6 +114,7 @@ def test_llama_keeps_two_norm_outputs_a_layer_fewer_on_the_gpu():
         loss = model(ids, labels=ids).loss
         held[recompute] = torch.cuda.memory_allocated() - before
         loss.backward()
+        del loss  # else the next pass's `before` holds this loss and its `held` does not hold its own
         model.zero_grad(set_to_none=True)
     stream = ids.numel() * config.hidden_size * 2  # one bf16 [tokens, D] norm output
     assert held[False] - held[True] == 2 * config.num_hidden_layers * stream
