@@ -15,7 +15,7 @@ class SwiGLU(lstrain.nn.SwiGLUMLP):
     """:class:`lstrain.nn.SwiGLUMLP` (bias-free; state_dict keys ``gate_proj.weight``,
     ``up_proj.weight``, ``down_proj.weight`` as HF's ``LlamaMLP``) with a plain-torch twin.
 
-    Fused: :func:`lstrain.ops.swiglu_mlp`, SwiGLU in the GEMM epilogues. Unfused: the same
+    Fused: :func:`lstrain.ops.swiglu_mlp`, SwiGLU in one pass each way over the pair layout. Unfused: the same
     parameters (the gate and up weights packed in the pair layout of
     :mod:`lstrain.ops.swiglu`) through matmuls, ``F.silu`` and a product: one GEMM for
     gate and up together, as a careful PyTorch user packs them, and no copy of the weights.

@@ -262,11 +262,12 @@ class Llama(torch.nn.Module):
     head, tied to the embedding or not.
 
     Fused (``config.fused``): :func:`lstrain.ops.embedding`, :class:`lstrain.nn.RMSNorm`,
-    :class:`lstrain.layers.DecoderLayer`'s fused pieces (SwiGLU in GEMM epilogues, SDPA, each
-    residual add inside the next RMSNorm's kernel: :func:`lstrain.ops.add_rms_norm`), and
+    :class:`lstrain.layers.DecoderLayer`'s fused pieces (SwiGLU in one pass each way between
+    cuBLAS GEMMs, SDPA, each residual add inside the next RMSNorm's kernel:
+    :func:`lstrain.ops.add_rms_norm`), and
     with labels the loss through :func:`lstrain.ops.linear_cross_entropy` on the hidden
     states (no logits). For memory, backward makes again what is cheap to make: the SwiGLU
-    activation (in ``swiglu_bwd``'s epilogue) and the layers' norm outputs
+    activation (in the SwiGLU backward's pass) and the layers' norm outputs
     (``DecoderLayer.recompute_norms``; set it False on ``model.model.layers`` to keep them),
     the same bits either way. ``DecoderLayer.norm_in_epilogue`` (off: it measured slower)
     moves each post-attention residual add and norm into GEMM epilogues

@@ -1,4 +1,4 @@
-"""``lstrain.nn.SwiGLUMLP``: a LLaMA-style MLP whose SwiGLU runs in GEMM epilogues."""
+"""``lstrain.nn.SwiGLUMLP``: a LLaMA-style MLP over gate and up packed in one matrix."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ class SwiGLUMLP(torch.nn.Module):
     The weights are held in the ``x @ W`` convention the kernels read fastest: one
     ``gate_up_weight`` of shape ``[D, 2F]`` whose columns are in the pair layout of
     :mod:`lstrain.ops.swiglu`, and ``down_weight`` ``[F, D]`` (a ``.t()`` view of either
-    made the forward GEMM K-major, slower, and cost backward a transposing copy of w_down
-    every step). The state_dict uses the familiar keys and shapes: ``gate_proj.weight`` and
+    made the forward GEMM K-major, which the epilogue kernel ran slower). The state_dict
+    uses the familiar keys and shapes: ``gate_proj.weight`` and
     ``up_proj.weight`` ``[F, D]``, ``down_proj.weight`` ``[D, F]`` — checkpoints of
     HF-style MLPs load as they are.
 

@@ -1,4 +1,4 @@
-"""SwiGLU MLP, y = (silu(x W_gate) * (x W_up)) W_down, with SwiGLU inside GEMM epilogues.
+"""SwiGLU MLP, y = (silu(x W_gate) * (x W_up)) W_down, over gate and up packed in one matrix.
 
 The pair layout: gate and up projections live in one ``[D, 2F]`` matrix ``w_gate_up`` made
 of pair blocks of ``PAIR_BLOCK`` (128) hidden units: block ``b`` holds the gate columns of
@@ -9,20 +9,24 @@ the mainloop keeps one accumulator for each and the epilogue needs no shuffle.
 (:func:`pack_gate_up` builds it from the usual separate weights; ``lstrain.nn.SwiGLUMLP``
 keeps the familiar ``gate_proj`` / ``up_proj`` / ``down_proj`` state_dict keys.)
 
-Forward: one GEMM ``h = x @ w_gate_up``, whose epilogue writes ``h`` and
-``a = silu(gate) * up`` (half the width), the two activations saved for backward; then
-``y = a @ w_down`` (cuBLAS). With nothing to differentiate (``torch.no_grad``, inference)
-the epilogue writes only ``a`` and no autograd node is built.
+Forward: ``h = x @ w_gate_up`` (cuBLAS), then one pass over h that writes
+``a = silu(gate) * up`` (half the width, :func:`swiglu_act`); then ``y = a @ w_down``
+(cuBLAS). Backward: ``dA = dy @ w_down^T`` (cuBLAS), then one pass over dA and h that
+writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` over h's pair
+layout (over h itself where the graph is freed) and a again, with the forward's bits, for
+``dW_down = a^T dy``; then cuBLAS for dx and dW_gate_up. Saved for backward: x and h, 2F
+values per token (a, F more, with ``keep_activation``).
 
-Backward: the GEMM ``dA = dy @ w_down^T`` has an epilogue that loads the saved gate and up
-tiles and writes ``dgate = dA * up * silu'(gate)`` and ``dup = dA * silu(gate)`` over that
-same tile of h; dA itself never reaches memory. Then the usual GEMMs (cuBLAS) for
-dW_down = a^T dy, dx and dW_gate_up. Memory beyond the inputs and their gradients: h and
-a, 3F values per token (recomputing a in backward instead would save F of them at the
-cost of a slower backward epilogue: see :func:`swiglu_bwd`).
+:func:`swiglu_fwd` is the forward GEMM with SwiGLU in its epilogue (h and a written from
+the accumulator tile). In a whole LLaMA step both epilogue GEMMs lost to cuBLAS plus the
+pass over h, whose memory traffic the epilogues could not hide behind their own mainloop
+(docs/notes/swiglu.md); it remains the kernel of
+:func:`lstrain.ops.linear_add_rms_norm_swiglu`, whose RMSNorm row scale belongs in that
+epilogue.
 
-A last, partial pair block (F not a multiple of 128) is launched on its own: its up
-columns start at a run-time offset, which would cost every other tile its aligned loads.
+A last, partial pair block (F not a multiple of 128) is launched on its own, by both
+kernels: its up columns start at a run-time offset, which would cost every other tile its
+aligned accesses.
 """
 
 from __future__ import annotations
@@ -285,134 +289,68 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_grad_half(
-    da,
-    h_ptr,
-    dh_ptr,
-    dh_desc,
-    a_ptr,
-    row0,
-    rows,
-    unit_start,
-    M,
-    F,
-    first_unit,
-    units_here,
-    up_offset,
-    PAIR: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    DH_TMA: tl.constexpr,
-    STORE_A: tl.constexpr,
-):
-    """The epilogue for dA of BLOCK_F units from ``unit_start`` (counted in the launch):
-    dgate and dup over their gate and up tiles of h; STORE_A: also a, recomputed from h as
-    the forward computed it (the same bits). DH_TMA: they leave through ``dh_desc``
-    (a [BLOCK_M, BLOCK_F] TMA descriptor over dh; whole pair blocks only), asynchronously,
-    so that the next quarter's loads of h start while the store drains. h, which dh may be,
-    is read before its tile is written, by this program alone."""
-    unit_in_launch = unit_start + tl.arange(0, BLOCK_F)
-    mask = (rows < M)[:, None] & (unit_in_launch < units_here)[None, :]
-    gate_col = _gate_column(first_unit, unit_start, PAIR)
-    gate_cols = _aligned_run(gate_col, BLOCK_F)
+def _swiglu_act_kernel(
+    da_ptr, h_ptr, dh_ptr, a_ptr, M, F, first_unit, units_here, up_offset, BACKWARD: tl.constexpr,
+    STORE_A: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """SwiGLU over h's pair layout, one [BLOCK_M, BLOCK_F] tile of units each way. Forward
+    (BACKWARD False): a = silu(gate) * up. Backward: dgate and dup from dA ([M, F]) over
+    their tiles of dh, which may be h itself (each program reads its elements before it
+    writes them); STORE_A: a as well, with the forward's bits, for dW_down, into a buffer
+    that may be dA itself (read first, element by element, by the same program)."""
+    wait_for_producers(PDL)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    unit_start = tl.program_id(1) * BLOCK_F
+    mask = (rows < M)[:, None] & (unit_start + tl.arange(0, BLOCK_F) < units_here)[None, :]
+    gate_cols = _aligned_run(_gate_column(first_unit, unit_start, PAIR), BLOCK_F)
     offsets = rows[:, None] * (2 * F) + gate_cols[None, :]
+    units = _aligned_run(first_unit + unit_start, BLOCK_F)
+    unit_offsets = rows[:, None] * F + units[None, :]
     gate = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + offsets + up_offset, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
-    d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
-    d_up = (da * gate * sig).to(dh_ptr.dtype.element_ty)
+    if BACKWARD:
+        da = tl.load(da_ptr + unit_offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + offsets, (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask)
+        tl.store(dh_ptr + offsets + up_offset, (da * gate * sig).to(dh_ptr.dtype.element_ty), mask=mask)
     if STORE_A:
-        units = _aligned_run(first_unit + unit_start, BLOCK_F)
-        tl.store(a_ptr + rows[:, None] * F + units[None, :], (gate * sig * up).to(a_ptr.dtype.element_ty), mask=mask)
-    if DH_TMA:
-        dh_desc.store([row0, gate_col.to(tl.int32)], d_gate)
-        dh_desc.store([row0, (gate_col + up_offset).to(tl.int32)], d_up)
-    else:
-        tl.store(dh_ptr + offsets, d_gate, mask=mask)
-        tl.store(dh_ptr + offsets + up_offset, d_up, mask=mask)
+        tl.store(a_ptr + unit_offsets, (gate * sig * up).to(a_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _swiglu_bwd_kernel(
-    dy_ptr,
-    w_down_ptr,
-    h_ptr,
-    dh_ptr,
-    dh_desc,
-    a_ptr,
-    M,
-    F,
-    K,
-    first_unit,
-    units_here,
-    stride_dym,
-    stride_dyk,
-    stride_wk,
-    stride_wn,
-    TAIL: tl.constexpr,
-    IEEE: tl.constexpr,
-    PAIR: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    QUARTERS: tl.constexpr,
-    DH_TMA: tl.constexpr,
-    STORE_A: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """dA = dy @ w_down^T over units [first_unit, first_unit + units_here), turned in the
-    epilogue into dgate and dup (and a, with STORE_A). dh may be h itself: each tile is
-    read before it is written.
-
-    A program owns 2 * BLOCK_F units: the mainloop runs at twice the width the epilogue
-    can hold in registers (it needs gate and up beside dA), so the epilogue takes one half
-    at a time."""
-    wait_for_producers(PDL)
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(units_here, 2 * BLOCK_F)
-    # Persistent programs: flattening the tile loop into the K loop lets the next tile's
-    # loads start while this tile's epilogue runs.
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = tile_ids(tile, M, units_here, BLOCK_M, 2 * BLOCK_F, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tile_start = pid_n * (2 * BLOCK_F)
-        # dA's columns are units, contiguous in w_down^T: one accumulator over both halves.
-        units = _aligned_run(first_unit + tile_start, 2 * BLOCK_F)
-        da = mainloop(
-            dy_ptr, w_down_ptr, rows, units, M, first_unit + units_here, K,
-            stride_dym, stride_dyk, stride_wk, stride_wn, IEEE, BLOCK_M, 2 * BLOCK_F, BLOCK_K,
+def _swiglu_act_launch(
+    h: torch.Tensor, a: torch.Tensor | None, da: torch.Tensor | None = None, dh: torch.Tensor | None = None
+) -> None:
+    """Run :func:`_swiglu_act_kernel` over contiguous h [M, 2F]: forward (``da`` None) into
+    ``a``, else backward into ``dh`` (and ``a`` unless None). A tile is 32 rows of up to a
+    pair block of units (4096 elements); the backward moves three tensors in and out per
+    unit and takes twice the warps, as ``silu_mul``'s does."""
+    m, f = h.shape[0], h.shape[1] // 2
+    if m == 0 or f == 0:
+        return
+    backward = da is not None
+    for first, units, tail in _launches(f):
+        block_f = min(PAIR_BLOCK, triton.next_power_of_2(units))
+        block_m = 4096 // block_f
+        _swiglu_act_kernel[(cdiv(m, block_m), cdiv(units, block_f))](
+            da, h, dh, a, m, f, first, units, units if tail else PAIR_BLOCK, BACKWARD=backward,
+            STORE_A=a is not None, PAIR=PAIR_BLOCK, BLOCK_M=block_m, BLOCK_F=block_f,
+            num_warps=8 if backward else 4, **_backend.dependent_launch(h),
         )  # fmt: skip
-        da0, da1 = _halves(da, BLOCK_M, BLOCK_F)
-        up_offset = units_here if TAIL else PAIR
-        row0 = (pid_m * BLOCK_M).to(tl.int32)
-        if QUARTERS:
-            QUARTER: tl.constexpr = BLOCK_F // 2
-            da00, da01 = _halves(da0, BLOCK_M, QUARTER)
-            _swiglu_grad_half(
-                da00, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start, M, F, first_unit, units_here, up_offset,
-                PAIR, QUARTER, DH_TMA, STORE_A,
-            )  # fmt: skip
-            _swiglu_grad_half(
-                da01, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + QUARTER, M, F, first_unit, units_here,
-                up_offset, PAIR, QUARTER, DH_TMA, STORE_A,
-            )  # fmt: skip
-            da10, da11 = _halves(da1, BLOCK_M, QUARTER)
-            _swiglu_grad_half(
-                da10, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
-                up_offset, PAIR, QUARTER, DH_TMA, STORE_A,
-            )  # fmt: skip
-            _swiglu_grad_half(
-                da11, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + BLOCK_F + QUARTER, M, F, first_unit,
-                units_here, up_offset, PAIR, QUARTER, DH_TMA, STORE_A,
-            )  # fmt: skip
-        else:
-            _swiglu_grad_half(
-                da0, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start, M, F, first_unit, units_here, up_offset,
-                PAIR, BLOCK_F, DH_TMA, STORE_A,
-            )  # fmt: skip
-            _swiglu_grad_half(
-                da1, h_ptr, dh_ptr, dh_desc, a_ptr, row0, rows, tile_start + BLOCK_F, M, F, first_unit, units_here,
-                up_offset, PAIR, BLOCK_F, DH_TMA, STORE_A,
-            )  # fmt: skip
+
+
+def swiglu_act(h: torch.Tensor) -> torch.Tensor:
+    """a = silu(gate) * up, ``[M, F]``, from h = x @ w_gate_up (``[M, 2F]``, contiguous, pair
+    layout); fp32 arithmetic on h's values, one rounding."""
+    h = h.contiguous()
+    a = h.new_empty((h.shape[0], h.shape[1] // 2))
+    _swiglu_act_launch(h, a)
+    return a
+
+
+@kernel_op("swiglu_act", swiglu_act)
+def swiglu_act_op(h: torch.Tensor) -> torch.Tensor:
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
 
 
 @functools.cache
@@ -427,8 +365,8 @@ def _launches(f: int) -> tuple[tuple[int, int, bool], ...]:
 
 
 def _block_f(plan) -> int:
-    """Units per epilogue tile: half the GEMM tile's columns (gate and up in forward, one
-    of the two halves backward's epilogue takes at a time), a divisor of PAIR_BLOCK."""
+    """Units per epilogue tile: half the GEMM tile's columns (its gate half and its up
+    half), a divisor of PAIR_BLOCK."""
     return min(PAIR_BLOCK, max(16, plan.block_n // 2))
 
 
@@ -504,115 +442,45 @@ def swiglu_fwd(
     return a, h
 
 
-def swiglu_bwd(
-    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, a: torch.Tensor | None = None
-) -> None:
-    """Write dh [M, 2F] (pair layout) from dy [M, D], w_down [F, D] and the saved h; ``dh``
-    may be ``h`` itself. With ``a`` ([M, F]) also the activation, recomputed from h with
-    the forward's bits, for dW_down where forward did not keep it.
-
-    A program computes dA for 2 * block_f units (the GEMM's full tile width) and runs the
-    epilogue on a quarter of them at a time (a half for narrow tiles), which is what its
-    registers hold beside the accumulator without spilling (halves spill); 256-wide dA
-    tiles beat 128-wide ones.
-    One persistent program per SM, its tile loop flattened into the K loop, three pipeline
-    stages rather than the GEMM plan's four (less shared memory): each measured faster.
-    Whole pair blocks store dh through a TMA descriptor (16-bit, 16-byte aligned rows),
-    which won though the descriptor costs host time at every launch; loading h through TMA
-    as well, and prefetching h into L2, lost (docs/notes/swiglu.md).
-
-    dy and w_down are made contiguous first (a copy only when they are not, as for a
-    ``.t()`` view of a [D, F] matrix; ``SwiGLUMLP``'s [F, D] parameter is contiguous):
-    w_down^T is then contiguous along K. Contiguous along N instead, its unit mask (carried
-    as a loop value through the flattened loop) hides that contiguity from Triton 3.6's
-    pipeliner, whose TTGIR keeps the load synchronous every K step (the forward kernel
-    flattened with such an operand ran 2.4x slower).
-    """
-    m, d = dy2d.shape
-    f = w_down.shape[0]
-    if m == 0 or f == 0:
-        return
-    dy2d, w_down = dy2d.contiguous(), w_down.contiguous()
-    device = _backend.device_index(dy2d)
-    plan = gemm_plan(m, f, d, dy2d.element_size(), _backend.shared_memory_per_program(device))
-    block_f = _block_f(plan)
-    sms = _backend.multiprocessor_count(device)
-    for first, units, tail in _launches(f):
-        grid = (min(sms, cdiv(m, plan.block_m) * cdiv(units, 2 * block_f)),)
-        whole_blocks = not tail and block_f == PAIR_BLOCK
-        # 16-bit inputs only, as timed
-        dh_desc = (
-            _tma_descriptor(dh, [plan.block_m, block_f // 2], device)
-            if whole_blocks and dh.element_size() <= 2
-            else None
-        )
-        _swiglu_bwd_kernel[grid](
-            dy2d, w_down, h, dh, dh_desc, a, m, f, d, first, units,
-            dy2d.stride(0), dy2d.stride(1), w_down.stride(1), w_down.stride(0),  # w_down^T by strides
-            TAIL=tail, IEEE=dy2d.dtype == torch.float32, PAIR=PAIR_BLOCK, QUARTERS=block_f >= 64,
-            BLOCK_M=plan.block_m, BLOCK_F=block_f, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-            DH_TMA=dh_desc is not None, STORE_A=a is not None, num_warps=plan.num_warps,
-            num_stages=plan.stages(True),
-            **_backend.dependent_launch(dy2d),
-        )  # fmt: skip
-
-
-@kernel_op("swiglu_fwd", swiglu_fwd)
-def swiglu_fwd_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    f = w_gate_up.shape[1] // 2
-    return x2d.new_empty((x2d.shape[0], f)), x2d.new_empty((x2d.shape[0], 2 * f))
-
-
-def swiglu_fwd_activation(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """The activation a of :func:`swiglu_fwd` alone: inference writes no h."""
-    return swiglu_fwd(x2d, w_gate_up, store_h=False)[0]
-
-
-@kernel_op("swiglu_fwd_activation", swiglu_fwd_activation)
-def swiglu_fwd_activation_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    return x2d.new_empty((x2d.shape[0], w_gate_up.shape[1] // 2))
-
-
-def swiglu_bwd_new(
-    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, write_a: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`swiglu_bwd` into a new dh (a custom op may not write over its input h) and,
-    with ``write_a``, a new a beside it (else a is [M, 0])."""
+def swiglu_act_bwd(da: torch.Tensor, h: torch.Tensor, write_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dh (new, h's shape) from dA and h and, with ``write_a``, a new a beside it (else a
+    is ``[M, 0]``): the custom op's form of :func:`swiglu_grad`'s kernel."""
+    da, h = da.contiguous(), h.contiguous()
     dh = torch.empty_like(h)
     a = h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
-    swiglu_bwd(dy2d, w_down, h, dh, a if write_a else None)
+    _swiglu_act_launch(h, a if write_a else None, da, dh)
     return dh, a
 
 
-@kernel_op("swiglu_bwd", swiglu_bwd_new)
-def swiglu_bwd_new_op(
-    dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, write_a: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+@kernel_op("swiglu_act_bwd", swiglu_act_bwd)
+def swiglu_act_bwd_op(da: torch.Tensor, h: torch.Tensor, write_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(h), h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
 
 
 def swiglu_grad(
     dy2d: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, write_a: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Backward's epilogue kernel (:func:`swiglu_bwd`) from inside an autograd backward.
+    """The gradient of h from inside an autograd backward: dA = dy @ w_down^T (cuBLAS), then
+    one pass over dA and h that writes dgate and dup in h's pair layout.
 
     Args:
         dy2d: ``[M, D_out]`` gradient of the MLP's output.
         w_down: ``[F, D_out]``.
-        h: the saved ``[M, 2F]`` gate and up pre-activations.
+        h: the saved ``[M, 2F]`` gate and up pre-activations (contiguous).
         write_a: also write the activation a again, for dW_down.
 
     Returns:
         ``(dh, a)``, a None without ``write_a``. In eager mode dh is written over h where
-        the graph goes with this backward (one [tokens, 2F] buffer fewer); under
-        torch.compile, the custom op into new tensors.
+        the graph goes with this backward (one [tokens, 2F] buffer fewer) and a over dA;
+        under torch.compile, the custom op into new tensors.
     """
+    da = dy2d @ w_down.t()
     if torch.compiler.is_compiling():
-        dh, written = swiglu_bwd_new_op(dy2d, w_down, h, write_a)
+        dh, written = swiglu_act_bwd_op(da, h, write_a)
         return dh, written if write_a else None
     dh = h if graph_freed_after_backward() else torch.empty_like(h)
-    written = h.new_empty((h.shape[0], h.shape[1] // 2)) if write_a else None
-    swiglu_bwd(dy2d, w_down, h, dh, written)
+    written = da if write_a else None  # dA is ours and read before a is written over it
+    _swiglu_act_launch(h, written, da, dh)
     return dh, written
 
 
@@ -624,13 +492,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd for :func:`swiglu_mlp`. Saves x, the weights, h and, with
-    ``keep_activation``, a (else backward's kernel writes a again beside dh); outside
+    ``keep_activation``, a (else backward's pass writes a again beside dh); outside
     torch.compile dh is written over h unless the graph is retained for another backward."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, keep_activation):
         x2d = _rows(x)
-        a, h = swiglu_fwd_op(x2d, w_gate_up)
+        h = x2d @ w_gate_up
+        a = swiglu_act_op(h)
         y = a @ w_down
         ctx.save_for_backward(x2d, w_gate_up, w_down, h, *((a,) if keep_activation else ()))
         ctx.x_shape = x.shape
@@ -643,7 +512,7 @@ class SwiGLUFunction(torch.autograd.Function):
         dy2d = _rows(dy)
         needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dh, a = None, (kept[0] if kept else None)
-        if needs_dh or not kept:  # the kernel that writes dh is the one that writes a again
+        if needs_dh or not kept:  # the pass that writes dh is the one that writes a again
             # len(), not `not kept`: Dynamo (torch 2.11) cannot pass `not` of a tuple as a value
             dh, written = swiglu_grad(dy2d, w_down, h, write_a=len(kept) == 0)
             a = kept[0] if kept else written
@@ -698,18 +567,20 @@ def unpack_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def swiglu_mlp(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *, keep_activation: bool = False
 ) -> torch.Tensor:
-    """``(silu(x @ W_gate) * (x @ W_up)) @ w_down`` with SwiGLU fused into GEMM epilogues.
+    """``(silu(x @ W_gate) * (x @ W_up)) @ w_down``: cuBLAS GEMMs, SwiGLU and its derivative
+    in one pass each way over the pair layout (see the module docstring).
 
     Under ``torch.autocast``, x and the weights are first cast to its dtype, as a
     matmul's inputs are. Backward keeps x and h = x @ [W_gate, W_up]; the activation a
-    (F values per token), which dW_down needs, is written again by backward's first kernel
-    from h, with the forward's bits, unless ``keep_activation``.
+    (F values per token), which dW_down needs, is written again by backward's pass over h,
+    with the forward's bits, unless ``keep_activation``. Without gradients (inference) the
+    same kernels run, so its output is the training forward's, bit for bit.
 
     Args:
         x: ``[*, D]``, float16/bfloat16/float32.
         w_gate_up: ``[D, 2F]`` in the pair layout (see :func:`pack_gate_up`), x's dtype;
             any strides, fastest row-major (a ``.t()`` view of a [2F, D] matrix is slower).
-        w_down: ``[F, D_out]``, x's dtype; backward copies it first unless it is contiguous.
+        w_down: ``[F, D_out]``, x's dtype, any strides.
         keep_activation: keep a from forward for backward: a third more saved memory
             than h alone, for one store fewer in backward (docs/notes/swiglu.md).
 
@@ -747,9 +618,8 @@ def swiglu_mlp(
         return swiglu_mlp_ref(x, w_gate_up, w_down)
     if differentiated(x, w_gate_up, w_down):
         return SwiGLUFunction.apply(x, w_gate_up, w_down, keep_activation)
-    # inference: h, which only backward reads, is not even written
-    x2d = _rows(x)
-    a = swiglu_fwd_activation_op(x2d, w_gate_up)
+    # inference: no autograd node, h freed at once
+    a = swiglu_act_op(_rows(x) @ w_gate_up)
     return (a @ w_down).view(*x.shape[:-1], w_down.shape[1])
 
 
