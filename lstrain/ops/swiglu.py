@@ -20,9 +20,9 @@ values per token (a, F more, with ``keep_activation``).
 :func:`swiglu_fwd` is the forward GEMM with SwiGLU in its epilogue (h and a written from
 the accumulator tile). In a whole LLaMA step both epilogue GEMMs lost to cuBLAS plus the
 pass over h, whose memory traffic the epilogues could not hide behind their own mainloop
-(docs/notes/swiglu.md); it remains the kernel of
-:func:`lstrain.ops.linear_add_rms_norm_swiglu`, whose RMSNorm row scale belongs in that
-epilogue.
+(docs/notes/swiglu.md); the forward one remains where it writes less: inference, where it
+writes a and no h, and :func:`lstrain.ops.linear_add_rms_norm_swiglu`, whose RMSNorm row
+scale belongs in that epilogue.
 
 A last, partial pair block (F not a multiple of 128) is launched on its own, by both
 kernels: its up columns start at a run-time offset, which would cost every other tile its
@@ -442,11 +442,21 @@ def swiglu_fwd(
     return a, h
 
 
+def swiglu_fwd_activation(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """The activation a of :func:`swiglu_fwd` alone: inference writes no h."""
+    return swiglu_fwd(x2d, w_gate_up, store_h=False)[0]
+
+
+@kernel_op("swiglu_fwd_activation", swiglu_fwd_activation)
+def swiglu_fwd_activation_op(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    return x2d.new_empty((x2d.shape[0], w_gate_up.shape[1] // 2))
+
+
 def swiglu_act_bwd(da: torch.Tensor, h: torch.Tensor, write_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dh (new, h's shape) from dA and h and, with ``write_a``, a new a beside it (else a
     is ``[M, 0]``): the custom op's form of :func:`swiglu_grad`'s kernel."""
     da, h = da.contiguous(), h.contiguous()
-    dh = torch.empty_like(h)
+    dh = h.new_empty(h.shape)
     a = h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
     _swiglu_act_launch(h, a if write_a else None, da, dh)
     return dh, a
@@ -454,7 +464,7 @@ def swiglu_act_bwd(da: torch.Tensor, h: torch.Tensor, write_a: bool) -> tuple[to
 
 @kernel_op("swiglu_act_bwd", swiglu_act_bwd)
 def swiglu_act_bwd_op(da: torch.Tensor, h: torch.Tensor, write_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(h), h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
+    return h.new_empty(h.shape), h.new_empty((h.shape[0], h.shape[1] // 2 if write_a else 0))
 
 
 def swiglu_grad(
@@ -466,7 +476,8 @@ def swiglu_grad(
     Args:
         dy2d: ``[M, D_out]`` gradient of the MLP's output.
         w_down: ``[F, D_out]``.
-        h: the saved ``[M, 2F]`` gate and up pre-activations (contiguous).
+        h: the saved ``[M, 2F]`` gate and up pre-activations (copied first where a
+            saved-tensor hook hands them back non-contiguous).
         write_a: also write the activation a again, for dW_down.
 
     Returns:
@@ -478,6 +489,7 @@ def swiglu_grad(
     if torch.compiler.is_compiling():
         dh, written = swiglu_act_bwd_op(da, h, write_a)
         return dh, written if write_a else None
+    h = h.contiguous()
     dh = h if graph_freed_after_backward() else torch.empty_like(h)
     written = da if write_a else None  # dA is ours and read before a is written over it
     _swiglu_act_launch(h, written, da, dh)
@@ -511,11 +523,14 @@ class SwiGLUFunction(torch.autograd.Function):
         x2d, w_gate_up, w_down, h, *kept = ctx.saved_tensors
         dy2d = _rows(dy)
         needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # len(), not `not kept`: Dynamo (torch 2.11) cannot pass `not` of a tuple as a value
+        write_a = ctx.needs_input_grad[2] and len(kept) == 0
         dh, a = None, (kept[0] if kept else None)
-        if needs_dh or not kept:  # the pass that writes dh is the one that writes a again
-            # len(), not `not kept`: Dynamo (torch 2.11) cannot pass `not` of a tuple as a value
-            dh, written = swiglu_grad(dy2d, w_down, h, write_a=len(kept) == 0)
-            a = kept[0] if kept else written
+        if needs_dh:  # the pass that writes dh writes a again beside it
+            dh, written = swiglu_grad(dy2d, w_down, h, write_a=write_a)
+            a = written if write_a else a
+        elif write_a:  # only dW_down: a from h alone, no dA
+            a = swiglu_act_op(h)
         # weight gradients in the weights' layouts: a w.t() view's gradient reaches .grad contiguous
         dw_down = matmul_like(a.t(), dy2d, w_down) if ctx.needs_input_grad[2] else None
         if not needs_dh:
@@ -574,7 +589,8 @@ def swiglu_mlp(
     matmul's inputs are. Backward keeps x and h = x @ [W_gate, W_up]; the activation a
     (F values per token), which dW_down needs, is written again by backward's pass over h,
     with the forward's bits, unless ``keep_activation``. Without gradients (inference) the
-    same kernels run, so its output is the training forward's, bit for bit.
+    GEMM with SwiGLU in its epilogue writes a alone, never h (its sums run in another
+    order than cuBLAS's: the same values within rounding, not the same bits).
 
     Args:
         x: ``[*, D]``, float16/bfloat16/float32.
@@ -618,8 +634,8 @@ def swiglu_mlp(
         return swiglu_mlp_ref(x, w_gate_up, w_down)
     if differentiated(x, w_gate_up, w_down):
         return SwiGLUFunction.apply(x, w_gate_up, w_down, keep_activation)
-    # inference: no autograd node, h freed at once
-    a = swiglu_act_op(_rows(x) @ w_gate_up)
+    # inference: no autograd node, and the epilogue GEMM writes a without h
+    a = swiglu_fwd_activation_op(_rows(x), w_gate_up)
     return (a @ w_down).view(*x.shape[:-1], w_down.shape[1])
 
 
