@@ -5,6 +5,7 @@ defined, so the CPU tests run the real kernels. Tests marked ``gpu`` skip withou
 """
 
 import os
+import tempfile
 
 import torch
 
@@ -12,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from lstrain.testing import register_profiles  # noqa: E402
@@ -37,3 +39,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _large_memory_tests_one_at_a_time(request):
+    """Tests marked ``large_memory`` (~40 GB of the GPU each) take a lock shared by all
+    processes of the run, so that parallel workers (``pytest -n 8``) run them one at a
+    time instead of two of them exhausting an 80 GB GPU, and the tests beside them too."""
+    if "large_memory" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    with FileLock(os.path.join(tempfile.gettempdir(), "lstrain-tests-large-memory.lock")):
+        yield
