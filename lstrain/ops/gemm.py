@@ -85,6 +85,13 @@ def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 
 
 @triton.jit
+def column_halves(tile, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """The two [BLOCK_M, HALF] column halves of a [BLOCK_M, 2 * HALF] tile (an epilogue run
+    on one half at a time needs half the registers)."""
+    return tl.split(tl.permute(tl.reshape(tile, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+
+
+@triton.jit
 def kahan_add(total, compensation, block):
     """``(total + block, new compensation)``: a K block of fp32 products, summed on its own,
     joins the accumulator with Kahan compensation, so that the rounding error grows with
@@ -209,7 +216,7 @@ def _gemm_tile(
     if SPLIT_EPILOGUE:
         # Two column halves, one after the other: the erf of gelu then needs its temporaries
         # for half the tile (Triton 3.6, 128 x 256 persistent: 56 bytes of spills, not 496).
-        left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N // 2)
         half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         _epilogue(
             left, rows, half, c_ptr, bias_ptr, d_ptr, z_ptr, M, N, stride_cm, stride_cn, stride_dm, alpha, beta,

@@ -12,7 +12,7 @@ per row, so no kernel needs a whole row before the next GEMM starts:
   slot order (deterministic), and multiplies its fp32 accumulator rows by r before h is
   rounded.
 
-Against the unfused path (cuBLAS GEMM, :func:`lstrain.ops.add_rms_norm`, SwiGLU) forward
+Against the unfused path (cuBLAS GEMM, :func:`lstrain.ops.add_rms_norm`, the SwiGLU MLP) forward
 reads and writes two [rows, D] tensors fewer and launches one kernel fewer, but the
 projection runs in lstrain's Triton GEMM instead of cuBLAS's, with a heavier epilogue:
 at LLaMA-0.75B's shapes on an H200 the whole was slower (docs/notes/llama.md), and
@@ -23,10 +23,10 @@ after it (docs/notes/llama.md measures both paths' error against fp32).
 
 Backward is the unfused one: the norm's backward needs a whole row's sum before any of
 its outputs, which no GEMM tile holds. The norm output is made again from s (one RMSNorm
-kernel, as :class:`lstrain.layers.RecomputedNorms` does), then SwiGLU's backward kernel,
-:func:`lstrain.ops.add_rms_norm`'s backward (which adds the stream's incoming gradient)
-and the projection's GEMMs. Kept for backward: x, s and h, as the unfused path with
-recomputed norms keeps them.
+kernel, as :class:`lstrain.layers.RecomputedNorms` does), then SwiGLU's backward (cuBLAS
+dA and one pass, :func:`lstrain.ops.swiglu.swiglu_grad`), :func:`lstrain.ops.add_rms_norm`'s
+backward (which adds the stream's incoming gradient) and the projection's GEMMs. Kept for
+backward: x, s and h, as the unfused path with recomputed norms keeps them.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, matmul_like
 from lstrain.ops.add_rms_norm import add_rms_norm_bwd_op
-from lstrain.ops.gemm import gemm_plan, mainloop, tile_ids
+from lstrain.ops.gemm import column_halves, gemm_plan, mainloop, tile_ids
 from lstrain.ops.linear import linear_ref
 from lstrain.ops.rms_norm import rms_norm_arguments, rms_norm_fwd_op, rms_norm_ref
-from lstrain.ops.swiglu import swiglu_fwd, swiglu_grad, swiglu_mlp_ref
+from lstrain.ops.swiglu import swiglu_act_op, swiglu_fwd, swiglu_grad, swiglu_mlp_ref
 
 __all__ = [
     "LinearAddRMSNormSwiGLUFunction",
@@ -148,7 +148,7 @@ def _linear_add_rms_norm_tile(
     )  # fmt: skip
     if HALVES:
         HALF: tl.constexpr = BLOCK_N // 2
-        left, right = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+        left, right = column_halves(acc, BLOCK_M, HALF)
         _norm_epilogue(
             left, rows, pid_n * BLOCK_N, residual_ptr, bias_ptr, norm_weight_ptr, sum_ptr, scaled_ptr, squares_ptr,
             M, N, stride_rm, HAS_BIAS, MASK_N, BLOCK_M, HALF, SLOT,
@@ -360,7 +360,10 @@ class LinearAddRMSNormSwiGLUFunction(torch.autograd.Function):
             ds = ds_out
         else:
             dy2d = as_rows(dy, dy.shape[-1])
-            dh, a = swiglu_grad(dy2d, w_down, h, write_a=True)
+            if need_gate_up or need_ds:
+                dh, a = swiglu_grad(dy2d, w_down, h, write_a=need_down)
+            elif need_down:  # only dW_down: a from h alone, no dA
+                a = swiglu_act_op(h)
             dw_down = matmul_like(a.t(), dy2d, w_down) if need_down else None
             if need_gate_up or need_ds:
                 normed, rstd = rms_norm_fwd_op(s, [s.shape[1]], norm_weight, ctx.eps)

@@ -45,7 +45,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, matmul_like
-from lstrain.ops.gemm import GemmPlan, gemm_plan, k_major, kahan_add, mainloop, tile_ids
+from lstrain.ops.gemm import GemmPlan, column_halves, gemm_plan, k_major, kahan_add, mainloop, tile_ids
 
 __all__ = [
     "PAIR_BLOCK",
@@ -76,12 +76,6 @@ def _aligned_run(first, SIZE: tl.constexpr):
     blocks of PAIR), which Triton cannot prove through the pair-layout arithmetic; without
     it the epilogue's loads and stores of h were 2 bytes wide instead of 16."""
     return tl.max_contiguous(tl.multiple_of(first + tl.arange(0, SIZE), SIZE), SIZE)
-
-
-@triton.jit
-def _halves(t, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
-    """The two [BLOCK_M, BLOCK_F] column halves of a [BLOCK_M, 2 * BLOCK_F] tile."""
-    return tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_F]), (0, 2, 1)))
 
 
 @triton.jit
@@ -198,7 +192,7 @@ def _swiglu_fwd_tile(
         if SLOTS:
             acc *= _inv_rms(squares_ptr, rows, M, inv_cols, eps, SLOTS)[:, None]
         h_tile = acc.to(a_ptr.dtype.element_ty)
-        h_gate, h_up = _halves(h_tile, BLOCK_M, BLOCK_F)
+        h_gate, h_up = column_halves(h_tile, BLOCK_M, BLOCK_F)
         if STORE_H and H_TMA:  # in halves: one [BLOCK_M, 2 * BLOCK_F] staging buffer overflows shared memory
             row0 = (pid_m * BLOCK_M).to(tl.int32)
             col0 = gate_col.to(tl.int32)
