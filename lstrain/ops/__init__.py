@@ -16,6 +16,7 @@ from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_
 from lstrain.ops.qkv_projection import qkv_projection, qkv_projection_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
 from lstrain.ops.rope import rope, rope_qkv, rope_qkv_ref, rope_ref
+from lstrain.ops.shared_input_linear import shared_input_linear, shared_input_linear_ref
 from lstrain.ops.silu_mul import silu_mul, silu_mul_linear, silu_mul_linear_ref, silu_mul_ref
 from lstrain.ops.swiglu import swiglu_mlp, swiglu_mlp_ref
 
@@ -54,6 +55,8 @@ __all__ = [
     "rope_qkv",
     "rope_qkv_ref",
     "rope_ref",
+    "shared_input_linear",
+    "shared_input_linear_ref",
     "silu_mul",
     "silu_mul_linear",
     "silu_mul_linear_ref",

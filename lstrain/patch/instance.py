@@ -4,12 +4,14 @@ Only the instance changes: its ``torch.nn.LayerNorm`` submodules and its family'
 modules are replaced by ``lstrain.nn.LayerNorm`` / ``lstrain.nn.RMSNorm`` modules holding the
 *same* Parameter objects (so state_dict keys, tensors, tied weights and optimizer state are
 untouched), and transformers' composite tanh GELU (no parameters) by torch's one-kernel
-``GELU(approximate="tanh")``; each SwiGLU MLP gets an instance ``forward`` that runs its SiLU,
-product and down projection through ``lstrain.ops.silu_mul_linear``; for a model with an LM
+``GELU(approximate="tanh")``; each SwiGLU MLP gets an instance ``forward`` that runs gate and
+up through ``lstrain.ops.shared_input_linear`` and its SiLU, product and down projection
+through ``lstrain.ops.silu_mul_linear``; for a model with an LM
 head, an instance attribute ``forward`` shadows the class's forward to compute the loss
 through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
-``lstrain.ops.rope``; the swapped RMSNorms and the decoder layers holding them get instance
+``lstrain.ops.rope`` (q, k and v through ``shared_input_linear``, the output projection
+through ``lstrain.ops.linear``); the swapped RMSNorms and the decoder layers holding them get instance
 forwards that make the norms' outputs again in backward rather than keep them. A config
 whose attention implementation is "sdpa" names
 ``lstrain.patch.attention.SKIP_SDPA`` instead (transformers' SDPA with its mask skip kept
@@ -217,18 +219,34 @@ def _swap_tanh_gelus(model: torch.nn.Module, family: Family, enabled: bool, stat
 # The SiLU modules transformers' ACT2FN["silu"] / ["swish"] give (5.x), by module and name.
 _SILUS = ("torch.nn.modules.activation.SiLU", "transformers.activations.SiLUActivation")
 _MLP_ROUTE = "act_fn(gate_proj(x)) * up_proj(x)"
+_MLP_OPS = "lstrain.ops.shared_input_linear + silu_mul_linear (its plain Linears)"
 
 
-def _silu_mul_mlp_forward(with_down_proj: bool):
+def _plain_linears(*modules: torch.nn.Module) -> bool:
+    """Whether each module is a plain ``torch.nn.Linear`` without hooks, whose forward an
+    op may run from its weight and bias. Asked at every call: a module swapped or hooked
+    after ``patch`` (a LoRA adapter, a quantized layer) then runs its own forward."""
+    return all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in modules)
+
+
+def _projections(x: torch.Tensor, *modules: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """Each module applied to ``x``: through ``lstrain.ops.shared_input_linear`` (one input
+    gradient, summed in the GEMMs) where they are all plain Linears, else their forwards."""
+    if _plain_linears(*modules):
+        return lstrain.ops.shared_input_linear(x, [m.weight for m in modules], [m.bias for m in modules])
+    return tuple(m(x) for m in modules)
+
+
+def _silu_mul_mlp_forward():
     """A forward for one SwiGLU MLP module (a new function each: ``_set_forward`` gives it
-    the wrapped forward's name and signature): transformers' LlamaMLP forward with the SiLU
-    and the product in one kernel each way; ``with_down_proj``: the down projection too
-    (``silu_mul_linear``, which saves gate and up but not the product), where it is a plain
-    ``torch.nn.Linear`` without hooks."""
+    the wrapped forward's name and signature): transformers' LlamaMLP forward with gate and
+    up through ``shared_input_linear`` and the SiLU and the product in one kernel each way,
+    with the down projection (``silu_mul_linear``, which saves gate and up but not the
+    product) where it is a plain ``torch.nn.Linear`` without hooks."""
 
     def forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        if with_down_proj:
+        gate, up = _projections(x, mlp.gate_proj, mlp.up_proj)
+        if _plain_linears(mlp.down_proj):
             return lstrain.ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
         return mlp.down_proj(lstrain.ops.silu_mul(gate, up))
 
@@ -259,19 +277,18 @@ def _route_mlps(model: torch.nn.Module, family: Family, enabled: bool, state: _P
         elif (reason := _mlp_reason(module)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
-            down = module.down_proj
-            with_down_proj = type(down) is torch.nn.Linear and not _has_hooks(down)
-            _set_forward(module, _silu_mul_mlp_forward(with_down_proj), state)
-            op = "lstrain.ops.silu_mul_linear" if with_down_proj else "lstrain.ops.silu_mul"
-            report.swapped.append(Swapped(path, _MLP_ROUTE, op))
+            _set_forward(module, _silu_mul_mlp_forward(), state)
+            report.swapped.append(Swapped(path, _MLP_ROUTE, _MLP_OPS))
 
 
 def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str):
     """A forward for one rotary attention module that rotates q and k through ``rope``.
 
     It is the forward of transformers 5.x's LlamaAttention (Mistral's, Qwen2's) with the
-    rotation through lstrain's op: the projections, the KV cache update, the attention
-    function the config names and the output projection are the module's own. The cache is
+    rotation through lstrain's op, q / k / v through ``shared_input_linear`` and the output
+    projection through ``lstrain.ops.linear`` where they are plain Linears (their weight
+    gradients into a flat buffer, the input gradient summed in the GEMMs); the KV cache
+    update and the attention function the config names are the module's own. The cache is
     updated as a ``DynamicCache`` (what a forward builds by default, even in training, where
     ``config.use_cache`` is True) is in every 5.x release: ``update(k, v, layer_idx)``; a call
     with another cache (static, quantized: generation) runs the module's own forward.
@@ -293,9 +310,8 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
             kwargs.pop(name, None)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attention.head_dim)
-        query = attention.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = attention.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = attention.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        projections = _projections(hidden_states, attention.q_proj, attention.k_proj, attention.v_proj)
+        query, key, value = (p.view(hidden_shape).transpose(1, 2) for p in projections)
         cos, sin = position_embeddings
         query, key = rope(query, cos, sin), rope(key, cos, sin)
         if cache is not None:
@@ -314,7 +330,11 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
             dropout=0.0 if not attention.training else attention.attention_dropout,
             scaling=attention.scaling, **kwargs,
         )  # fmt: skip
-        output = attention.o_proj(output.reshape(*input_shape, -1).contiguous())
+        output = output.reshape(*input_shape, -1).contiguous()
+        if _plain_linears(attention.o_proj):
+            output = lstrain.ops.linear(output, attention.o_proj.weight, attention.o_proj.bias)
+        else:
+            output = attention.o_proj(output)
         return output, weights
 
     return forward
@@ -556,14 +576,18 @@ def patch(
             ``lstrain.nn.RMSNorm``, sharing their weights.
         rope: rotate q and k of the family's attention modules through ``lstrain.ops.rope``
             (a module whose forward is not transformers 5.x's is left alone, with the
-            reason in the report).
+            reason in the report), and run their q / k / v projections through
+            ``lstrain.ops.shared_input_linear`` and the output projection through
+            ``lstrain.ops.linear`` where those are plain ``torch.nn.Linear`` without hooks.
         activation: replace transformers' composite tanh GELU (``NewGELUActivation``,
             GPT-2's ``gelu_new``) by ``torch.nn.GELU(approximate="tanh")``: the same function
             in one kernel each way instead of seven elementwise kernels and their backward;
-            and run the SiLU and product of the family's SwiGLU MLPs (LlamaMLP, ...)
-            through ``lstrain.ops.silu_mul_linear`` with their down projection (one kernel
-            each way, one rounding, the product not saved; ``silu_mul`` where the down
-            projection is not a plain ``torch.nn.Linear`` or has hooks).
+            and run the family's SwiGLU MLPs (LlamaMLP, ...) with gate and up through
+            ``lstrain.ops.shared_input_linear`` and the SiLU and product through
+            ``lstrain.ops.silu_mul_linear`` with their down projection (one kernel each way,
+            one rounding, the product not saved). A projection that is not a plain
+            ``torch.nn.Linear`` or has hooks, when the forward runs, runs its own forward
+            (``silu_mul`` then for a down projection).
         cross_entropy: compute the LM-head loss without logits.
         sdpa_mask_skip: for a model on transformers' "sdpa" attention, switch the config to
             ``lstrain.patch.attention.SKIP_SDPA``: the same attention, but a causal or

@@ -102,10 +102,13 @@ def test_patched_loss_and_gradients_match_hf(family, tied):
     expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
     with _backend.record_backends() as ran:
         got, grads = _loss_and_grads(model, input_ids, labels)
-    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.silu_mul_linear"] == [
+    assert [s.path for s in report.swapped if "silu_mul_linear" in s.new_type] == [
         f"model.layers.{i}.mlp" for i in range(LAYERS)
     ]
-    assert {"rms_norm", "linear_cross_entropy", "silu_mul_linear"} <= {op for op, _ in ran}
+    ops = [op for op, _ in ran]
+    assert {"rms_norm", "linear_cross_entropy", "silu_mul_linear", "linear"} <= set(ops)
+    # q / k / v and gate / up of every layer share an input
+    assert ops.count("shared_input_linear") == 2 * LAYERS
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert got.logits is None, "the patched loss must not build logits"
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
@@ -384,18 +387,34 @@ def test_an_mlp_without_silu_is_left_alone():
     assert "forward" not in model.model.layers[0].mlp.__dict__
 
 
-def test_an_mlp_whose_down_proj_has_a_hook_keeps_it():
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_projections_with_hooks_run_their_own_forwards(when):
+    """A hooked projection (hooked before or after patching: a LoRA adapter or a probe)
+    runs its own forward, the hook included, and the rest of the layer stays routed."""
     reference = _model("llama")
     model = copy.deepcopy(reference)
+    layer = model.model.layers[0]
+    hooked = (layer.mlp.down_proj, layer.mlp.up_proj, layer.self_attn.k_proj, layer.self_attn.o_proj)
     calls = []
-    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
-    report = lstrain.patch(model)
-    routes = {s.path: s.new_type for s in report.swapped if s.old_type == instance._MLP_ROUTE}
-    assert routes == {"model.layers.0.mlp": "lstrain.ops.silu_mul", "model.layers.1.mlp": "lstrain.ops.silu_mul_linear"}
+
+    def hook_all():
+        for module in hooked:
+            module.register_forward_hook(lambda module, *args: calls.append(module))
+
+    if when == "before":
+        hook_all()
+    lstrain.patch(model)
+    if when == "after":
+        hook_all()
     input_ids, labels = _batch(False)
     expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
-    got, grads = _loss_and_grads(model, input_ids, labels)
-    assert calls, "the hook ran"
+    with _backend.record_backends() as ran:
+        got, grads = _loss_and_grads(model, input_ids, labels)
+    assert set(calls) == set(hooked), "every hook ran"
+    ops = [op for op, _ in ran]
+    # layer 1 routed as ever; layer 0's hooked projections through their modules
+    assert ops.count("shared_input_linear") == 2 * LAYERS - 2
+    assert ops.count("silu_mul_linear") == LAYERS - 1 and ops.count("silu_mul") == 1
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
     for key, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
