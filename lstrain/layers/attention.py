@@ -1,11 +1,14 @@
 """Multi-head self-attention over one packed QKV projection.
 
-``c_attn`` (weight ``[3 * dim, dim]``, torch's Linear layout) makes q, k and v in one GEMM;
-they are strided views of its output (no copies: SDPA and the bias path need only the last
-dim contiguous), and :func:`lstrain.ops.qkv_projection`'s backward packs their gradients
-and sums the bias's in one pass. ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN /
-memory-efficient) computes the attention, unless the caller passes a learned additive bias,
-which SDPA cannot fuse: then the scores go through :func:`lstrain.ops.attention_softmax`.
+``c_attn`` (weight ``[3 * dim, dim]``, torch's Linear layout) makes q, k and v in one GEMM.
+Fused, without masks beyond causality, :func:`lstrain.ops.qkv_attention` runs the attention
+in flash attention kernels that read q, k and v in place, write one packed gradient and sum
+the bias's from their tiles, with lstrain's attention dropout. Otherwise q, k and v are
+strided views of the projection (no copies), :func:`lstrain.ops.qkv_projection`'s backward
+packs their gradients and sums the bias's in one pass, and
+``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN / memory-efficient)
+computes the attention, unless the caller passes a learned additive bias, which SDPA
+cannot fuse: then the scores go through :func:`lstrain.ops.attention_softmax`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from lstrain.layers._residual import add_residual
-from lstrain.ops import attention_softmax, linear, qkv_projection, qkv_projection_ref
+from lstrain.ops import attention_softmax, linear, qkv_attention, qkv_projection, qkv_projection_ref
+from lstrain.ops.qkv_attention import SUPPORTED_HEAD_DIMS
 
 __all__ = ["SelfAttention", "sdpa_mask"]
 
@@ -59,13 +63,16 @@ def _masked_softmax(
 class SelfAttention(torch.nn.Module):
     """``residual + dropout(c_proj(attention(c_attn(x))))``.
 
-    Fused: q, k, v are views of ``c_attn``'s output (their gradients meet in one copy, which
-    also sums ``c_attn``'s bias gradient: :func:`lstrain.ops.qkv_projection`), ``c_proj``'s
-    GEMM runs without its bias and :func:`lstrain.ops.bias_dropout_residual` adds the bias,
+    Fused: without a padding mask or ``attn_bias``, and for a head_dim in
+    :data:`lstrain.ops.qkv_attention.SUPPORTED_HEAD_DIMS`, :func:`lstrain.ops.qkv_attention`
+    (the projection and flash attention kernels over it, its attention dropout lstrain's
+    Philox mask); else q, k, v are views of ``c_attn``'s output (their gradients meet in one
+    copy, which also sums ``c_attn``'s bias gradient: :func:`lstrain.ops.qkv_projection`).
+    ``c_proj``'s GEMM runs without its bias and :func:`lstrain.ops.bias_dropout_residual` adds the bias,
     drops and adds the residual in one kernel. Unfused: the same in plain torch ops
     (``F.linear`` and views, SDPA or a torch softmax, ``F.dropout``), with the same
-    parameter names and shapes. Both run SDPA when there is no ``attn_bias``. The GEMMs
-    without an activation to fuse are cuBLAS's (``F.linear``) in both.
+    parameter names and shapes. The GEMMs without an activation to fuse are cuBLAS's
+    (``F.linear``) in both.
 
     Args:
         dim: model width.
@@ -79,14 +86,16 @@ class SelfAttention(torch.nn.Module):
     Raises:
         ValueError: ``dim`` not a multiple of ``heads``, or a dropout outside [0, 1).
 
-    ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None, seed=None)``: ``x``
+    ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None, seed=None,
+    attn_seed=None)``: ``x``
     ``[batch, seq, dim]`` (the normalised input), ``residual`` shaped like it,
     ``key_padding_mask`` ``[batch, seq]`` bool (True = padding), ``attn_bias`` an additive
     float bias broadcastable to ``[batch, heads, seq, seq]`` (it may require grad). Returns
     the new residual stream; with a LayerNorm ``norm``, ``(norm(stream), stream)``, fused
     into the residual add's kernel (:func:`lstrain.ops.dropout_add_layer_norm`). ``seed``
     (fused only): the residual dropout's seed, a 1-element int64 tensor (drawn when None);
-    the attention dropout draws from torch's generator, as SDPA does.
+    ``attn_seed`` (fused only) the attention dropout's, for :func:`lstrain.ops.qkv_attention`
+    (drawn when None); SDPA's attention dropout draws from torch's generator.
     """
 
     def __init__(
@@ -122,11 +131,18 @@ class SelfAttention(torch.nn.Module):
         attn_bias: torch.Tensor | None = None,
         norm: torch.nn.LayerNorm | None = None,
         seed: torch.Tensor | None = None,
+        attn_seed: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, seq, dim = x.shape
+        p = self.attn_dropout if self.training else 0.0
+        if self.fused and attn_bias is None and key_padding_mask is None and dim // self.heads in SUPPORTED_HEAD_DIMS:
+            out = qkv_attention(
+                x, self.c_attn.weight, self.c_attn.bias, self.heads, causal=self.causal, dropout_p=p, seed=attn_seed
+            )
+            y = linear(out, self.c_proj.weight)
+            return add_residual(y, self.c_proj.bias, residual, self.resid_dropout, self.training, norm, seed)
         project = qkv_projection if self.fused else qkv_projection_ref
         q, k, v = project(x, self.c_attn.weight, self.c_attn.bias, self.heads)
-        p = self.attn_dropout if self.training else 0.0
         if attn_bias is None:
             mask = None if key_padding_mask is None else sdpa_mask(key_padding_mask, seq, self.causal, q.dtype)
             out = F.scaled_dot_product_attention(

@@ -53,9 +53,10 @@ class TransformerLayer(torch.nn.Module):
     seeds=None)``: ``x`` ``[batch, seq, dim]``; the masks as for :class:`SelfAttention`.
     Pre-LN only: ``normed``, ``ln_1(x)`` when the caller has it already (the previous
     layer's ``next_norm`` output); ``next_norm``, a LayerNorm for the layer's output.
-    ``seeds`` (fused only): a ``[2]`` int64 tensor, the seeds of the attention's and the
-    MLP's residual dropouts (:func:`lstrain.ops.dropout_seeds`: a model draws all of its
-    layers' at once); drawn per op when None. Returns the output, or with ``next_norm``
+    ``seeds`` (fused only): a ``[3]`` int64 tensor, the seeds of the attention's and the
+    MLP's residual dropouts and of the attention probabilities' dropout
+    (:func:`lstrain.ops.dropout_seeds`: a model draws all of its layers' at once); drawn per
+    op when None. Returns the output, or with ``next_norm``
     ``(next_norm(output), output)``.
     """
 
@@ -93,15 +94,17 @@ class TransformerLayer(torch.nn.Module):
         next_norm: torch.nn.LayerNorm | None = None,
         seeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        attn_seed, mlp_seed = (None, None) if seeds is None else (seeds[0:1], seeds[1:2])
+        attn_seed, mlp_seed, probs_seed = (None,) * 3 if seeds is None else (seeds[0:1], seeds[1:2], seeds[2:3])
         if not self.norm_first:
             if normed is not None or next_norm is not None:
                 raise ValueError("TransformerLayer: normed and next_norm apply to pre-LN layers (norm_first=True)")
-            x = self.attn(x, x, key_padding_mask, attn_bias, norm=self.ln_1, seed=attn_seed)[0]
+            x = self.attn(x, x, key_padding_mask, attn_bias, norm=self.ln_1, seed=attn_seed, attn_seed=probs_seed)[0]
             return self.mlp(x, x, norm=self.ln_2, seed=mlp_seed)[0]
         if normed is None:
             normed = self.ln_1(x)
-        normed, x = self.attn(normed, x, key_padding_mask, attn_bias, norm=self.ln_2, seed=attn_seed)
+        normed, x = self.attn(
+            normed, x, key_padding_mask, attn_bias, norm=self.ln_2, seed=attn_seed, attn_seed=probs_seed
+        )
         return self.mlp(normed, x, norm=next_norm, seed=mlp_seed)
 
     def extra_repr(self) -> str:

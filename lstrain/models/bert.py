@@ -425,11 +425,12 @@ class BertForMaskedLM(torch.nn.Module):
         key_padding_mask = None if attention_mask is None else attention_mask == 0
         x = self._embed(input_ids, token_type_ids)
         config = self.config
-        # the fused layers' residual dropout seeds in one draw, two per layer
-        drop = config.fused and self.training and config.hidden_dropout_prob > 0
-        seeds = dropout_seeds(2 * config.num_hidden_layers, input_ids.device) if drop else None
+        # the fused layers' dropout seeds in one draw, three per layer
+        dropouts = (config.hidden_dropout_prob, config.attention_probs_dropout_prob)
+        drop = config.fused and self.training and max(dropouts) > 0
+        seeds = dropout_seeds(3 * config.num_hidden_layers, input_ids.device) if drop else None
         for i, layer in enumerate(self.bert["encoder"]["layer"]):
-            x = layer(x, key_padding_mask, seeds=None if seeds is None else seeds[2 * i : 2 * i + 2])
+            x = layer(x, key_padding_mask, seeds=None if seeds is None else seeds[3 * i : 3 * i + 3])
         head = self.cls["predictions"]
         decoder = self.bert["embeddings"]["word_embeddings"].weight
         if labels is None:

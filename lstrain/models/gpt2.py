@@ -315,7 +315,7 @@ class GPT2(torch.nn.Module):
         layers, normed = self.transformer["h"], None
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].ln_1 if i + 1 < len(layers) else self.transformer["ln_f"]
-            layer_seeds = None if seeds is None else seeds[1 + 2 * i : 3 + 2 * i]
+            layer_seeds = None if seeds is None else seeds[1 + 3 * i : 4 + 3 * i]
             normed, x = layer(x, key_padding_mask, normed=normed, next_norm=next_norm, seeds=layer_seeds)
         x = normed
         if labels is None:
@@ -336,11 +336,11 @@ class GPT2(torch.nn.Module):
 
     def _dropout_seeds(self, device: torch.device) -> torch.Tensor | None:
         """The fused forward's dropout seeds in one draw (the embedding's, then each layer's
-        two), or None where no lstrain dropout runs."""
+        three), or None where no lstrain dropout runs."""
         config = self.config
-        if not (config.fused and self.training and (config.embd_pdrop > 0 or config.resid_pdrop > 0)):
+        if not (config.fused and self.training and max(config.embd_pdrop, config.resid_pdrop, config.attn_pdrop) > 0):
             return None
-        return dropout_seeds(1 + 2 * config.n_layer, device)
+        return dropout_seeds(1 + 3 * config.n_layer, device)
 
     def _embed(
         self, input_ids: torch.Tensor, seed: torch.Tensor | None, tied_head: bool

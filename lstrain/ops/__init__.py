@@ -13,6 +13,7 @@ from lstrain.ops.layer_norm import layer_norm, layer_norm_ref
 from lstrain.ops.linear import linear, linear_ref
 from lstrain.ops.linear_add_rms_norm_swiglu import linear_add_rms_norm_swiglu, linear_add_rms_norm_swiglu_ref
 from lstrain.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from lstrain.ops.qkv_attention import qkv_attention, qkv_attention_ref
 from lstrain.ops.qkv_projection import qkv_projection, qkv_projection_ref
 from lstrain.ops.rms_norm import rms_norm, rms_norm_ref
 from lstrain.ops.rope import rope, rope_qkv, rope_qkv_ref, rope_ref
@@ -47,6 +48,8 @@ __all__ = [
     "linear_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "qkv_attention",
+    "qkv_attention_ref",
     "qkv_projection",
     "qkv_projection_ref",
     "rms_norm",

@@ -38,6 +38,8 @@ from lstrain.ops import (
     linear_add_rms_norm_swiglu_ref,
     linear_cross_entropy,
     linear_cross_entropy_ref,
+    qkv_attention,
+    qkv_attention_ref,
     qkv_projection,
     qkv_projection_ref,
     rms_norm,
@@ -67,6 +69,7 @@ from lstrain.testing.strategies import (
     layer_norm_cases,
     linear_add_rms_norm_swiglu_cases,
     linear_cross_entropy_cases,
+    qkv_attention_cases,
     qkv_projection_cases,
     rms_norm_cases,
     rope_cases,
@@ -260,6 +263,31 @@ def _run_qkv_projection(case: dict, device: str) -> CheckResult:
     with _backend.record_backends() as ran:
         comparisons = check_function(
             run(qkv_projection), run(qkv_projection_ref), inputs, atol=_atol(dtype, device), generator=gen
+        )
+    return CheckResult(comparisons, [b for _, b in ran])
+
+
+def _run_qkv_attention(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    batch, seq = case["shape"]
+    dtype, heads, width = case["dtype"], case["heads"], case["in_features"]
+    dim = heads * case["head_dim"]
+    inputs = {
+        "x": _randn((batch, seq, width), gen, device, dtype),
+        "weight": _randn((3 * dim, width), gen, device, dtype) * width**-0.5,
+    }
+    if case["bias"]:
+        inputs["bias"] = _randn((3 * dim,), gen, device, dtype)
+    # one mask for the op and both reference runs
+    seed = torch.tensor([case["seed"]], dtype=torch.int64, device=device)
+    options = {"causal": case["causal"], "dropout_p": case["dropout_p"], "seed": seed}
+
+    def run(fn):
+        return lambda x, weight, bias=None: fn(x, weight, bias, heads, **options)
+
+    with _backend.record_backends() as ran:
+        comparisons = check_function(
+            run(qkv_attention), run(qkv_attention_ref), inputs, atol=_atol(dtype, device), generator=gen
         )
     return CheckResult(comparisons, [b for _, b in ran])
 
@@ -607,6 +635,13 @@ OP_CHECKS: dict[str, OpCheck] = {
         "qkv_projection",
         qkv_projection_cases,
         _run_qkv_projection,
+        sizes=lambda case: (*case["shape"], case["in_features"], case["heads"], case["head_dim"]),
+    ),
+    "qkv_attention": OpCheck(
+        "qkv_attention",
+        qkv_attention_cases,
+        _run_qkv_attention,
+        cpu_dtypes=GEMM_CPU_DTYPES,
         sizes=lambda case: (*case["shape"], case["in_features"], case["heads"], case["head_dim"]),
     ),
     "attention_softmax": OpCheck("attention_softmax", attention_softmax_cases, _run_attention_softmax),

@@ -39,18 +39,20 @@ def _padding(batch, seq, left=False):
 
 
 @pytest.mark.parametrize(
-    ("norm_first", "padding", "learned_bias"),
+    ("norm_first", "padding", "learned_bias", "heads"),
     [
-        (True, None, False),  # GPT-2: causal SDPA
-        (True, "right", False),
-        (True, "left", False),  # fully masked query rows stay finite
-        (False, "right", False),  # BERT: post-LN, bidirectional
-        (True, "right", True),  # a learned bias: attention_softmax
-        (False, None, True),
+        (True, None, False, 2),  # GPT-2: causal, qkv_attention (head_dim 16)
+        (False, None, False, 2),  # BERT: post-LN, bidirectional, qkv_attention
+        (True, None, False, 4),  # head_dim 8: SDPA
+        (True, "right", False, 2),  # a padding mask: SDPA
+        (True, "left", False, 4),  # fully masked query rows stay finite
+        (False, "right", False, 4),
+        (True, "right", True, 4),  # a learned bias: attention_softmax
+        (False, None, True, 2),
     ],
 )
-def test_fused_matches_unfused(norm_first, padding, learned_bias):
-    batch, seq, dim, heads = 2, 8, 32, 4
+def test_fused_matches_unfused(norm_first, padding, learned_bias, heads):
+    batch, seq, dim = 2, 8, 32
     fused, plain = _twins(dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
     mask = None if padding is None else _padding(batch, seq, left=padding == "left")
     bias_shape = (1, heads, seq, seq) if learned_bias else None
@@ -62,10 +64,12 @@ def test_fused_matches_unfused(norm_first, padding, learned_bias):
     # each residual add and the LayerNorm after it in one kernel; pre-LN's last add has no
     # norm after it unless the caller passes the next one
     pre_ln = {"layer_norm", "dropout_add_layer_norm", "bias_act_dropout", "bias_dropout_residual"}
-    assert ops - {"attention_softmax", "linear", "qkv_projection"} == (
+    assert ops - {"attention_softmax", "linear", "qkv_projection", "qkv_attention"} == (
         pre_ln if norm_first else {"dropout_add_layer_norm", "bias_act_dropout"}
     )
     assert ("attention_softmax" in ops) == learned_bias
+    flash = heads == 2 and padding is None and not learned_bias
+    assert ("qkv_attention" in ops) == flash and ("qkv_projection" in ops) == (not flash)
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert_all_passed(comparisons)
 
@@ -159,18 +163,21 @@ def test_dropout_is_finite_and_follows_the_seed():
     torch.testing.assert_close(layer(x), layer(x), rtol=0, atol=0)
 
 
-def test_given_seeds_fix_the_residual_dropouts():
-    # the model draws every layer's seeds at once; a layer given its two uses them, not torch's generator
-    layer = TransformerLayer(32, 4, resid_dropout=0.5, device=DEVICE)
+def test_given_seeds_fix_the_dropouts():
+    # the model draws every layer's seeds at once; a layer given its three uses them, not torch's
+    # generator (head_dim 16: the attention dropout is qkv_attention's)
+    layer = TransformerLayer(32, 2, attn_dropout=0.5, resid_dropout=0.5, device=DEVICE)
     x = torch.randn(2, 8, 32, device=DEVICE)
-    seeds = torch.tensor([5, 6], dtype=torch.int64, device=DEVICE)
+    seeds = torch.tensor([5, 6, 7], dtype=torch.int64, device=DEVICE)
     torch.manual_seed(0)
     first = layer(x, seeds=seeds)
     torch.manual_seed(1)
     again = layer(x, seeds=seeds)
-    other = layer(x, seeds=torch.tensor([5, 7], dtype=torch.int64, device=DEVICE))
     torch.testing.assert_close(first, again, rtol=0, atol=0)
-    assert not torch.equal(first, other)
+    for changed in range(3):
+        other = seeds.clone()
+        other[changed] += 10
+        assert not torch.equal(first, layer(x, seeds=other)), f"seed {changed} changes nothing"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ TINY = {
     "vocab_size": 37,
     "hidden_size": 32,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
+    "num_attention_heads": 2,
     "intermediate_size": 48,
     "max_position_embeddings": 16,
     "type_vocab_size": 3,
@@ -182,7 +182,7 @@ def test_presets_and_overrides():
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"hidden_size": 30}, "hidden_size"),
+        ({"hidden_size": 31}, "hidden_size"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),
         ({"vocab_size": 1.5}, "vocab_size"),
         ({"intermediate_size": -1}, "intermediate_size"),

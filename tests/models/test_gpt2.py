@@ -9,7 +9,7 @@ from lstrain.models import GPT2, GPT2Config
 from lstrain.testing import assert_all_passed, check_module
 from tests.conftest import DEVICE, EXPECTED_BACKEND
 
-TINY = {"vocab_size": 37, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 4}
+TINY = {"vocab_size": 37, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 2}
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
@@ -137,7 +137,7 @@ def test_presets_and_overrides():
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"n_embd": 30}, "n_embd"),
+        ({"n_embd": 31}, "n_embd"),
         ({"n_layer": 0}, "n_layer"),
         ({"vocab_size": 1.5}, "vocab_size"),
         ({"n_inner": -1}, "n_inner"),
