@@ -31,6 +31,7 @@ from lstrain.ops import (
     linear,
     linear_add_rms_norm_swiglu,
     linear_cross_entropy,
+    qkv_attention,
     qkv_projection,
     qkv_projection_ref,
     rms_norm,
@@ -312,6 +313,53 @@ def silu_mul_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     # up, writes both gradients
     min_bytes = 8 * rows * cols * (torch.finfo(dtype).bits // 8)
     return [BenchCase("silu_mul", f"{rows} x {cols}", make, ["gate", "up"], impls, min_bytes)]
+
+
+def qkv_attention_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    cases = []
+    # GPT-2 medium's attention at its e2e batch, with and without dropout; BERT-large's
+    for batch, seq, heads, causal, p in ((8, 1024, 16, True, 0.1), (8, 1024, 16, True, 0.0), (16, 512, 16, False, 0.1)):
+        head_dim = 64
+        dim = heads * head_dim
+
+        def make(batch=batch, seq=seq, dim=dim):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(batch, seq, dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            w = (torch.randn(3 * dim, dim, device="cuda", dtype=dtype, generator=gen) * dim**-0.5).requires_grad_()
+            bias = torch.randn(3 * dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            return {"x": x, "weight": w, "bias": bias, "seed": torch.tensor([7], device="cuda")}
+
+        def sdpa(x, weight, bias, seed, heads=heads, causal=causal, p=p):
+            # F.linear, head views and SDPA (cuDNN here), as a careful PyTorch user writes it
+            q, k, v = qkv_projection_ref(x, weight, bias, heads)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+            return out.transpose(1, 2).reshape(x.shape)
+
+        def ours(x, weight, bias, seed, heads=heads, causal=causal, p=p):
+            return qkv_attention(x, weight, bias, heads, causal=causal, dropout_p=p, seed=seed)
+
+        impls = {"lstrain": ours, "eager": sdpa, "torch.compile": sdpa}
+        element = torch.finfo(dtype).bits // 8
+        tokens = batch * seq
+        # forward: x, w -> qkv -> out; backward: dout, out, qkv -> dqkv, read by the two GEMMs
+        min_bytes = element * (4 * tokens * dim + 7 * tokens * 3 * dim + 3 * 3 * dim * dim)
+        attention_flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0) * 3.5
+        flops = int(3 * 2 * tokens * dim * 3 * dim + attention_flops)
+        label = f"{batch} x {seq}, {heads} heads x {head_dim}, {'causal' if causal else 'bidirectional'}, dropout {p}"
+        cases.append(
+            BenchCase(
+                "qkv_attention",
+                label,
+                make,
+                ["x", "weight", "bias"],
+                impls,
+                min_bytes,
+                flops=flops,
+                same_outputs=p == 0,
+                target_vs=("eager", 1.0),
+            )  # fmt: skip
+        )
+    return cases
 
 
 def qkv_projection_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
@@ -744,6 +792,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "rope": rope_cases,
     "rope_qkv": rope_qkv_cases,
     "qkv_projection": qkv_projection_cases,
+    "qkv_attention": qkv_attention_cases,
     "silu_mul": silu_mul_cases,
     "attention_softmax": attention_softmax_cases,
     "bias_dropout_residual": bias_dropout_residual_cases,
@@ -943,6 +992,7 @@ TITLES: dict[str, str] = {
     "rope": "RoPE (rotate-half) of q and k in HF's layout, bf16, forward + backward",
     "rope_qkv": "RoPE of q and k read from a packed QKV projection (GQA), bf16, forward + backward",
     "qkv_projection": "packed QKV projection (GEMM + head views), bf16, forward + backward",
+    "qkv_attention": "packed QKV projection + attention (flash kernels; SDPA on head views), bf16, forward + backward",
     "silu_mul": "silu(gate) * up (SwiGLU's activation between separate GEMMs), bf16, forward + backward",
     "attention_softmax": "Attention softmax (scale + causal mask), bf16, forward + backward",
     "bias_dropout_residual": "Bias + dropout + residual, bf16, forward + backward",
