@@ -35,7 +35,7 @@ from lstrain import _backend
 from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
-from lstrain.ops._lib.dropout import check_seed, dropout_keep, dropout_mask, dropout_scale, new_seed
+from lstrain.ops._lib.dropout import check_seed, dropout_keep, dropout_mask_ref, dropout_scale, new_seed
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.options import float_option
@@ -87,7 +87,7 @@ def _fwd_blocks(
 
 
 @triton.jit
-def _fwd_kernel(
+def _attention_fwd_kernel(
     qkv_ptr, o_ptr, lse_ptr, seed_ptr, H, S, D, qk_scale, p_drop, keep_scale,
     CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
@@ -141,7 +141,9 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _delta_kernel(o_ptr, do_ptr, delta_ptr, H, S, D, BM: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr = False):
+def _attention_delta_kernel(
+    o_ptr, do_ptr, delta_ptr, H, S, D, BM: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr = False
+):
     """delta = rowsum(dO * O) per head and query row, fp32."""
     wait_for_producers(PDL)
     blocks = tl.cdiv(S, BM)
@@ -196,7 +198,7 @@ def _dkdv_blocks(
 
 
 @triton.jit
-def _dkdv_kernel(
+def _attention_dkdv_kernel(
     qkv_ptr, do_ptr, lse_ptr, delta_ptr, dqkv_ptr, partial_ptr, seed_ptr, B, H, S, D, qk_scale, sm_scale, p_drop,
     keep_scale,
     CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, EVEN_M: tl.constexpr,
@@ -283,7 +285,7 @@ def _dq_blocks(
 
 
 @triton.jit
-def _dq_kernel(
+def _attention_dq_kernel(
     qkv_ptr, do_ptr, lse_ptr, delta_ptr, dqkv_ptr, partial_ptr, seed_ptr, H, S, D, qk_scale, sm_scale, p_drop,
     keep_scale,
     CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, EVEN_M: tl.constexpr,
@@ -404,7 +406,7 @@ def qkv_attention_fwd(
     if out.numel() == 0:
         return out, lse
     bm, bn, warps, stages = attention_plan(head_dim, qkv.dtype, seq, interpreter).fwd
-    _fwd_kernel[(cdiv(seq, bm) * batch * heads,)](
+    _attention_fwd_kernel[(cdiv(seq, bm) * batch * heads,)](
         qkv, out, lse, qkv if seed is None else seed, heads, seq, dim, sm_scale * _LOG2E, p, dropout_scale(p),
         CAUSAL=causal, DROPOUT=p > 0, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm, BN=bn, HD=head_dim,
         PRECISION=precision, num_warps=warps, num_stages=stages, **_backend.dependent_launch(qkv),
@@ -461,11 +463,10 @@ def qkv_attention_bwd(
     dout = dout.contiguous()
     plan = attention_plan(head_dim, qkv.dtype, seq, interpreter)
     bh = batch * heads
-    launch = _backend.dependent_launch(qkv)
     delta = torch.empty_like(lse)
     delta_rows = min(64, max(16, triton.next_power_of_2(seq)))
-    _delta_kernel[(cdiv(seq, delta_rows) * bh,)](
-        out, dout, delta, heads, seq, dim, BM=delta_rows, HD=head_dim, num_warps=4, **launch
+    _attention_delta_kernel[(cdiv(seq, delta_rows) * bh,)](
+        out, dout, delta, heads, seq, dim, BM=delta_rows, HD=head_dim, num_warps=4, **_backend.dependent_launch(qkv)
     )
     seed = qkv if seed is None else seed
     scales = (sm_scale * _LOG2E, sm_scale, p, dropout_scale(p))
@@ -473,17 +474,17 @@ def qkv_attention_bwd(
     kv_blocks = cdiv(seq, bn)
     partials = functools.partial(torch.empty, dtype=torch.float32, device=qkv.device)
     kv_partials = partials((2, batch * kv_blocks, dim)) if bias_grad else None
-    _dkdv_kernel[(kv_blocks * bh,)](
+    _attention_dkdv_kernel[(kv_blocks * bh,)](
         qkv, dout, lse, delta, dqkv, kv_partials, seed, batch, heads, seq, dim, *scales,
         CAUSAL=causal, DROPOUT=p > 0, BIAS_GRAD=bias_grad, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm, BN=bn,
-        HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages, **launch,
+        HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages, **_backend.dependent_launch(qkv),
     )  # fmt: skip
     bm, bn, warps, stages = plan.dq
     q_partials = partials((1, batch * cdiv(seq, bm), dim)) if bias_grad else None
-    _dq_kernel[(cdiv(seq, bm) * bh,)](
+    _attention_dq_kernel[(cdiv(seq, bm) * bh,)](
         qkv, dout, lse, delta, dqkv, q_partials, seed, heads, seq, dim, *scales,
         CAUSAL=causal, DROPOUT=p > 0, BIAS_GRAD=bias_grad, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm, BN=bn,
-        HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages, **launch,
+        HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages, **_backend.dependent_launch(qkv),
     )  # fmt: skip
     if bias_grad:
         dbias = grads[1]
@@ -641,8 +642,8 @@ def qkv_attention_ref(
     seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch in the inputs' dtype, as SDPA's math path computes it (``F.linear``,
-    scores, softmax, the same dropout mask as :func:`lstrain.ops.dropout_mask` draws,
-    the product with v); autograd's backward.
+    scores, softmax, the dropout mask :func:`lstrain.ops.dropout_mask` draws, computed
+    in torch ops, the product with v); autograd's backward.
 
     Args:
         x, weight, bias, heads, causal, dropout_p, seed: as for :func:`qkv_attention`
@@ -662,5 +663,5 @@ def qkv_attention_ref(
     probs = scores.softmax(-1)
     if dropout_p > 0:
         seed = new_seed(x.device) if seed is None else seed
-        probs = probs * dropout_mask(seed, (batch, heads, seq, seq), dropout_p) * dropout_scale(dropout_p)
+        probs = probs * dropout_mask_ref(seed, (batch, heads, seq, seq), dropout_p) * dropout_scale(dropout_p)
     return (probs @ v).transpose(1, 2).reshape(batch, seq, dim)

@@ -17,7 +17,7 @@ from lstrain.ops import (
     bias_dropout_residual_ref,
     embedding,
 )
-from lstrain.ops._lib.dropout import _philox_keep_ref, dropout_mask, dropout_seeds, elementwise_plan
+from lstrain.ops._lib.dropout import dropout_mask, dropout_mask_ref, dropout_seeds, elementwise_plan
 from lstrain.testing import assert_all_passed
 from lstrain.testing.checks import OP_CHECKS
 from lstrain.testing.strategies import bias_dropout_cases
@@ -237,7 +237,7 @@ def test_a_seed_gives_the_same_mask_on_the_reference_path(device, tmp_path):
 def test_plain_pytorch_philox_is_the_kernels(device, shape, seed):
     seed = torch.tensor([seed], dtype=torch.int64, device=device)
     for p in (0.1, 0.5, 0.9):
-        assert torch.equal(_philox_keep_ref(seed, shape, p), dropout_mask(seed, shape, p))
+        assert torch.equal(dropout_mask_ref(seed, shape, p), dropout_mask(seed, shape, p))
 
 
 @pytest.mark.parametrize(

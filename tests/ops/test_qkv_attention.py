@@ -16,7 +16,7 @@ from tests.conftest import DEVICE, EXPECTED_BACKEND
 
 CHECK = OP_CHECKS["qkv_attention"]
 # the interpreter runs the kernels element by element: few, short cases on the CPU
-FEW = settings(max_examples=6, deadline=None) if DEVICE == "cpu" else settings(max_examples=40, deadline=None)
+FEW = settings(max_examples=8, deadline=None) if DEVICE == "cpu" else settings(max_examples=40, deadline=None)
 
 
 def _case(shape=(1, 20), in_features=8, heads=1, head_dim=16, causal=True, dropout_p=0.0, bias=True, **kw):
@@ -37,8 +37,8 @@ def _case(shape=(1, 20), in_features=8, heads=1, head_dim=16, causal=True, dropo
 @FEW
 @given(case=qkv_attention_cases(DEVICE).filter(lambda c: c["dtype"] in CHECK.dtypes(DEVICE)))
 @example(case=_case(shape=(1, 1)))
-@example(case=_case(shape=(2, 37), heads=2, causal=False, dropout_p=0.5))  # tails of every tile
-@example(case=_case(shape=(1, 32), head_dim=32, dropout_p=0.1, dtype=torch.float16))
+@example(case=_case(shape=(2, 37), causal=False, dropout_p=0.5))  # tails of every tile
+@example(case=_case(shape=(1, 17), heads=2, head_dim=32, dropout_p=0.1, dtype=torch.float16))
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}

@@ -29,6 +29,7 @@ __all__ = [
     "column_walkers",
     "dropout_keep",
     "dropout_mask",
+    "dropout_mask_ref",
     "dropout_scale",
     "dropout_seeds",
     "elementwise_plan",
@@ -175,7 +176,7 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
     # unchecked, p > 1 kept nothing and NaN or p < 0 kept everything, silently
     p = float_option("dropout_mask", "p", p, 0, 1)
     if _backend.backend_for(seed) == "reference":
-        return _philox_keep_ref(seed, shape, p)
+        return dropout_mask_ref(seed, shape, p)
     mask = torch.empty(shape, dtype=torch.int8, device=seed.device)
     if mask.numel():
         cols = shape[-1]
@@ -197,10 +198,18 @@ def _mul_wide(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def _philox_keep_ref(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
-    """:func:`dropout_keep` in plain PyTorch: Triton's Philox4x32-10 (``tl.randint4x``) in
-    int64 arithmetic on 32-bit values, the eight 16-bit numbers of a call in the kernel's
-    order, the same threshold."""
+def dropout_mask_ref(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """:func:`dropout_mask`'s mask in plain PyTorch: Triton's Philox4x32-10
+    (``tl.randint4x``) in int64 arithmetic on 32-bit values, the eight 16-bit numbers of a
+    call in the kernel's order, the same threshold. A reference's way to the mask (an
+    implementation independent of the kernels, and fast where the interpreter is slow).
+
+    Args:
+        seed, shape, p: as for :func:`dropout_mask` (validated there).
+
+    Returns:
+        A bool tensor of ``shape``: True where an element is kept.
+    """
     mask = torch.empty(shape, dtype=torch.bool, device=seed.device)
     if mask.numel() == 0:
         return mask
