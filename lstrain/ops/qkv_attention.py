@@ -15,8 +15,10 @@ stores the log-sum-exp (base 2); backward computes ``delta = rowsum(dO * O)``, t
 dV per key block (looping over queries) and dQ per query block (looping over keys), so
 that no gradient is accumulated atomically: deterministic. Dropout is lstrain's Philox
 mask (:func:`lstrain.ops._lib.dropout.dropout_keep`) of the ``[batch, heads, seq, seq]``
-probabilities, drawn again in each kernel rather than stored:
-``dropout_mask(seed, (batch, heads, seq, seq), p)`` is the mask the op applies.
+probabilities: ``dropout_mask(seed, (batch, heads, seq, seq), p)`` is the mask the op
+applies. Forward draws it and, where it is small next to the projection
+(:func:`keeps_mask_bits`), stores it as bits for backward; else each backward kernel
+draws it again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from lstrain.ops._lib.partial_sums import sum_partials
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "QKVAttentionFunction",
+    "keeps_mask_bits",
     "qkv_attention",
     "qkv_attention_bwd",
     "qkv_attention_fwd",
@@ -57,10 +60,32 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _store_keep(bits_ptr, keep, rows, row_ok, start_n, S, BM: tl.constexpr, BN: tl.constexpr):
+    """Store forward's keep mask of a [BM, BN] tile as bits, eight columns a byte, in a
+    [rows, ceil(S / 8)] uint8 tensor: backward then reads 1 bit an element instead of
+    running Philox again in each of its two kernels."""
+    octets = (S + 7) // 8
+    octet = start_n // 8 + tl.arange(0, BN // 8)
+    byte = tl.sum(tl.reshape(keep.to(tl.int32), (BM, BN // 8, 8)) << tl.arange(0, 8)[None, None, :], axis=2)
+    mask = row_ok[:, None] & (octet < octets)[None, :]
+    tl.store(bits_ptr + rows[:, None] * octets + octet[None, :], byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _stored_keep(bits_ptr, rows, row_ok, start_n, S, BM: tl.constexpr, BN: tl.constexpr):
+    """The keep mask of a [BM, BN] tile that :func:`_store_keep` stored (False outside it)."""
+    octets = (S + 7) // 8
+    octet = start_n // 8 + tl.arange(0, BN // 8)
+    mask = row_ok[:, None] & (octet < octets)[None, :]
+    byte = tl.load(bits_ptr + rows[:, None] * octets + octet[None, :], mask=mask, other=0).to(tl.int32)
+    return tl.reshape((byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (BM, BN)) != 0
+
+
+@triton.jit
 def _fwd_blocks(
-    acc, l_i, m_i, q, k_base, v_base, seed_ptr, rows, offs_m, lo, hi, S, s_seq, qk_scale, p_drop,
-    DIAGONAL: tl.constexpr, BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    acc, l_i, m_i, q, k_base, v_base, seed_ptr, bits_ptr, rows, offs_m, lo, hi, S, s_seq, qk_scale, p_drop,
+    DIAGONAL: tl.constexpr, BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, KEEP_BITS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The online softmax over key blocks [lo, hi) for one query block."""
     offs_d = tl.arange(0, HD)
@@ -79,7 +104,10 @@ def _fwd_blocks(
         # the normaliser sums the probabilities before dropout, as softmax-then-dropout does
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(dropout_keep(seed_ptr, rows, start_n, S, p_drop, BN), p, 0.0)
+            keep = dropout_keep(seed_ptr, rows, start_n, S, p_drop, BN)
+            if KEEP_BITS:
+                _store_keep(bits_ptr, keep, rows, offs_m < S, start_n, S, BM, BN)
+            p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + offs_n[:, None] * s_seq + offs_d[None, :], mask=in_seq[:, None] if BOUNDS else None)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -88,9 +116,9 @@ def _fwd_blocks(
 
 @triton.jit
 def _attention_fwd_kernel(
-    qkv_ptr, o_ptr, lse_ptr, seed_ptr, H, S, D, qk_scale, p_drop, keep_scale,
-    CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    qkv_ptr, o_ptr, lse_ptr, seed_ptr, bits_ptr, H, S, D, qk_scale, p_drop, keep_scale, CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, KEEP_BITS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     blocks = tl.cdiv(S, BM)
@@ -114,23 +142,23 @@ def _attention_fwd_kernel(
     if CAUSAL:
         # whole blocks left of the diagonal, then the diagonal's, masked
         acc, l_i, m_i = _fwd_blocks(
-            acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, rows, offs_m, 0, start_m, S, s_seq, qk_scale,
-            p_drop, False, False, DROPOUT, BN, HD, PRECISION,
+            acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, bits_ptr, rows, offs_m, 0, start_m, S, s_seq,
+            qk_scale, p_drop, False, False, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_blocks(
-            acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, rows, offs_m, start_m, start_m + BM, S, s_seq,
-            qk_scale, p_drop, True, not (EVEN_M and EVEN_N), DROPOUT, BN, HD, PRECISION,
+            acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, bits_ptr, rows, offs_m, start_m, start_m + BM,
+            S, s_seq, qk_scale, p_drop, True, not (EVEN_M and EVEN_N), DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
     else:
         whole = (S // BN) * BN
         acc, l_i, m_i = _fwd_blocks(
-            acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, rows, offs_m, 0, whole, S, s_seq, qk_scale,
-            p_drop, False, False, DROPOUT, BN, HD, PRECISION,
+            acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, bits_ptr, rows, offs_m, 0, whole, S, s_seq,
+            qk_scale, p_drop, False, False, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
         if not EVEN_N:
             acc, l_i, m_i = _fwd_blocks(
-                acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, rows, offs_m, whole, S, S, s_seq, qk_scale,
-                p_drop, False, True, DROPOUT, BN, HD, PRECISION,
+                acc, l_i, m_i, q, q_base + D, q_base + 2 * D, seed_ptr, bits_ptr, rows, offs_m, whole, S, S, s_seq,
+                qk_scale, p_drop, False, True, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
             )  # fmt: skip
     out = acc / l_i[:, None]
     if DROPOUT:
@@ -163,10 +191,9 @@ def _attention_delta_kernel(
 
 @triton.jit
 def _dkdv_blocks(
-    dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, row0, offs_n, start_n, lo, hi, S, s_seq, D,
-    qk_scale, p_drop, keep_scale,
-    DIAGONAL: tl.constexpr, BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    HD: tl.constexpr, PRECISION: tl.constexpr,
+    dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, bits_ptr, row0, offs_n, start_n, lo, hi, S, s_seq,
+    D, qk_scale, p_drop, keep_scale, DIAGONAL: tl.constexpr, BOUNDS: tl.constexpr, DROPOUT: tl.constexpr,
+    KEEP_BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key block from the query blocks [lo, hi), transposed: P^T is
     [keys, queries], so that dV += P^T dO and dK += dS^T Q are plain products."""
@@ -186,7 +213,10 @@ def _dkdv_blocks(
         do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=in_seq[:, None] if BOUNDS else None)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
-            keepT = tl.trans(dropout_keep(seed_ptr, row0 + offs_m, start_n, S, p_drop, BN))
+            if KEEP_BITS:
+                keepT = tl.trans(_stored_keep(bits_ptr, row0 + offs_m, in_seq, start_n, S, BM, BN))
+            else:
+                keepT = tl.trans(dropout_keep(seed_ptr, row0 + offs_m, start_n, S, p_drop, BN))
             dv += tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, input_precision=PRECISION)
             dpT = tl.where(keepT, dpT * keep_scale, 0.0)
         else:
@@ -199,11 +229,10 @@ def _dkdv_blocks(
 
 @triton.jit
 def _attention_dkdv_kernel(
-    qkv_ptr, do_ptr, lse_ptr, delta_ptr, dqkv_ptr, partial_ptr, seed_ptr, B, H, S, D, qk_scale, sm_scale, p_drop,
-    keep_scale,
-    CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    qkv_ptr, do_ptr, lse_ptr, delta_ptr, dqkv_ptr, partial_ptr, seed_ptr, bits_ptr, B, H, S, D, qk_scale, sm_scale,
+    p_drop, keep_scale, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, KEEP_BITS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     blocks = tl.cdiv(S, BN)
@@ -229,9 +258,9 @@ def _attention_dkdv_kernel(
     if CAUSAL:
         # the queries of the diagonal block, masked; then the later ones, whole blocks, then a tail
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, row0, offs_n, start_n, start_n,
-            start_n + BN, S, s_seq, D, qk_scale, p_drop, keep_scale, True, not (EVEN_M and EVEN_N), DROPOUT, BM, BN,
-            HD, PRECISION,
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, bits_ptr, row0, offs_n, start_n, start_n,
+            start_n + BN, S, s_seq, D, qk_scale, p_drop, keep_scale, True, not (EVEN_M and EVEN_N), DROPOUT,
+            KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
         first = start_n + BN
         tail = tl.maximum(first, whole)
@@ -239,13 +268,13 @@ def _attention_dkdv_kernel(
         first = 0
         tail = whole
     dk, dv = _dkdv_blocks(
-        dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, row0, offs_n, start_n, first, tail, S, s_seq, D,
-        qk_scale, p_drop, keep_scale, False, False, DROPOUT, BM, BN, HD, PRECISION,
+        dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, bits_ptr, row0, offs_n, start_n, first, tail,
+        S, s_seq, D, qk_scale, p_drop, keep_scale, False, False, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
     )  # fmt: skip
     if not EVEN_M:
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, row0, offs_n, start_n, tail, S, S, s_seq, D,
-            qk_scale, p_drop, keep_scale, False, True, DROPOUT, BM, BN, HD, PRECISION,
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, seed_ptr, bits_ptr, row0, offs_n, start_n, tail, S,
+            S, s_seq, D, qk_scale, p_drop, keep_scale, False, True, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
     dk = dk * sm_scale
     g_ptrs = dqkv_ptr + b.to(tl.int64) * S * s_seq + h * HD + kv_offsets
@@ -260,9 +289,9 @@ def _attention_dkdv_kernel(
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse, delta, k_base, seed_ptr, rows, offs_m, lo, hi, S, s_seq, D, qk_scale, p_drop, keep_scale,
-    DIAGONAL: tl.constexpr, BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    dq, q, do, lse, delta, k_base, seed_ptr, bits_ptr, rows, offs_m, lo, hi, S, s_seq, D, qk_scale, p_drop,
+    keep_scale, DIAGONAL: tl.constexpr, BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, KEEP_BITS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block from the key blocks [lo, hi)."""
     offs_d = tl.arange(0, HD)
@@ -278,7 +307,11 @@ def _dq_blocks(
             p = tl.where(in_seq[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         if DROPOUT:
-            dp = tl.where(dropout_keep(seed_ptr, rows, start_n, S, p_drop, BN), dp * keep_scale, 0.0)
+            if KEEP_BITS:
+                keep = _stored_keep(bits_ptr, rows, offs_m < S, start_n, S, BM, BN)
+            else:
+                keep = dropout_keep(seed_ptr, rows, start_n, S, p_drop, BN)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PRECISION)
     return dq
@@ -286,11 +319,10 @@ def _dq_blocks(
 
 @triton.jit
 def _attention_dq_kernel(
-    qkv_ptr, do_ptr, lse_ptr, delta_ptr, dqkv_ptr, partial_ptr, seed_ptr, H, S, D, qk_scale, sm_scale, p_drop,
-    keep_scale,
-    CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    qkv_ptr, do_ptr, lse_ptr, delta_ptr, dqkv_ptr, partial_ptr, seed_ptr, bits_ptr, H, S, D, qk_scale, sm_scale,
+    p_drop, keep_scale, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, KEEP_BITS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_producers(PDL)
     blocks = tl.cdiv(S, BM)
@@ -314,23 +346,24 @@ def _attention_dq_kernel(
     dq = tl.zeros([BM, HD], tl.float32)
     if CAUSAL:
         dq = _dq_blocks(
-            dq, q, do, lse, delta, q_base + D, seed_ptr, rows, offs_m, 0, start_m, S, s_seq, D, qk_scale, p_drop,
-            keep_scale, False, False, DROPOUT, BN, HD, PRECISION,
+            dq, q, do, lse, delta, q_base + D, seed_ptr, bits_ptr, rows, offs_m, 0, start_m, S, s_seq, D, qk_scale,
+            p_drop, keep_scale, False, False, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
         dq = _dq_blocks(
-            dq, q, do, lse, delta, q_base + D, seed_ptr, rows, offs_m, start_m, start_m + BM, S, s_seq, D, qk_scale,
-            p_drop, keep_scale, True, not (EVEN_M and EVEN_N), DROPOUT, BN, HD, PRECISION,
+            dq, q, do, lse, delta, q_base + D, seed_ptr, bits_ptr, rows, offs_m, start_m, start_m + BM, S, s_seq,
+            D, qk_scale, p_drop, keep_scale, True, not (EVEN_M and EVEN_N), DROPOUT, KEEP_BITS, BM, BN, HD,
+            PRECISION,
         )  # fmt: skip
     else:
         whole = (S // BN) * BN
         dq = _dq_blocks(
-            dq, q, do, lse, delta, q_base + D, seed_ptr, rows, offs_m, 0, whole, S, s_seq, D, qk_scale, p_drop,
-            keep_scale, False, False, DROPOUT, BN, HD, PRECISION,
+            dq, q, do, lse, delta, q_base + D, seed_ptr, bits_ptr, rows, offs_m, 0, whole, S, s_seq, D, qk_scale,
+            p_drop, keep_scale, False, False, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
         )  # fmt: skip
         if not EVEN_N:
             dq = _dq_blocks(
-                dq, q, do, lse, delta, q_base + D, seed_ptr, rows, offs_m, whole, S, S, s_seq, D, qk_scale, p_drop,
-                keep_scale, False, True, DROPOUT, BN, HD, PRECISION,
+                dq, q, do, lse, delta, q_base + D, seed_ptr, bits_ptr, rows, offs_m, whole, S, S, s_seq, D,
+                qk_scale, p_drop, keep_scale, False, True, DROPOUT, KEEP_BITS, BM, BN, HD, PRECISION,
             )  # fmt: skip
     dq = dq * sm_scale
     g_ptrs = dqkv_ptr + b.to(tl.int64) * S * s_seq + h * HD + offs_m[:, None] * s_seq + offs_d[None, :]
@@ -384,9 +417,19 @@ def _launch_args(qkv: torch.Tensor, heads: int) -> tuple[int, int, int, int, flo
     return batch, seq, dim, head_dim, 1.0 / math.sqrt(head_dim), precision, _backend.interpreter_active()
 
 
+def keeps_mask_bits(qkv: torch.Tensor, heads: int, p: float) -> bool:
+    """Whether forward stores its dropout mask as bits for backward (``[batch * heads * seq,
+    ceil(seq / 8)]`` bytes) rather than backward drawing it again in both its kernels:
+    with dropout, when the bits take no more memory than the projection backward keeps
+    anyway (GPT-2 medium at 8 x 1024: 16.8 MB against 50 MB a layer). Longer sequences
+    draw again: the bits grow with seq squared."""
+    batch, seq, width = qkv.shape
+    return p > 0 and batch * heads * seq * cdiv(seq, 8) <= qkv.numel() * qkv.element_size()
+
+
 def qkv_attention_fwd(
-    qkv: torch.Tensor, seed: torch.Tensor | None, heads: int, causal: bool, p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv: torch.Tensor, seed: torch.Tensor | None, heads: int, causal: bool, p: float, keep_bits: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on a validated, contiguous packed projection.
 
     Args:
@@ -395,31 +438,43 @@ def qkv_attention_fwd(
         heads: attention heads.
         causal: mask keys after each query.
         p: attention dropout probability.
+        keep_bits: also store the dropout mask as bits (:func:`keeps_mask_bits`).
 
     Returns:
-        ``(out, lse)``: out ``[batch, seq, dim]`` in qkv's dtype; lse fp32
-        ``[batch * heads * seq]``, the base-2 log-sum-exp of each row's scaled scores.
+        ``(out, lse, bits)``: out ``[batch, seq, dim]`` in qkv's dtype; lse fp32
+        ``[batch * heads * seq]``, the base-2 log-sum-exp of each row's scaled scores; bits
+        uint8 ``[batch * heads * seq, ceil(seq / 8)]`` (column c of a row is bit c % 8 of
+        byte c // 8; blocks a causal row never reaches are left unwritten), or ``[0]``
+        without ``keep_bits``.
     """
     batch, seq, dim, head_dim, sm_scale, precision, interpreter = _launch_args(qkv, heads)
     out = torch.empty((batch, seq, dim), dtype=qkv.dtype, device=qkv.device)
     lse = torch.empty(batch * heads * seq, dtype=torch.float32, device=qkv.device)
+    bits_shape = (batch * heads * seq, cdiv(seq, 8)) if keep_bits else (0,)
+    bits = torch.empty(bits_shape, dtype=torch.uint8, device=qkv.device)
     if out.numel() == 0:
-        return out, lse
+        return out, lse, bits
     bm, bn, warps, stages = attention_plan(head_dim, qkv.dtype, seq, interpreter).fwd
     _attention_fwd_kernel[(cdiv(seq, bm) * batch * heads,)](
-        qkv, out, lse, qkv if seed is None else seed, heads, seq, dim, sm_scale * _LOG2E, p, dropout_scale(p),
-        CAUSAL=causal, DROPOUT=p > 0, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm, BN=bn, HD=head_dim,
-        PRECISION=precision, num_warps=warps, num_stages=stages, **_backend.dependent_launch(qkv),
+        qkv, out, lse, qkv if seed is None else seed, bits, heads, seq, dim, sm_scale * _LOG2E, p,
+        dropout_scale(p), CAUSAL=causal, DROPOUT=p > 0, KEEP_BITS=keep_bits, EVEN_M=seq % bm == 0,
+        EVEN_N=seq % bn == 0, BM=bm, BN=bn, HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages,
+        **_backend.dependent_launch(qkv),
     )  # fmt: skip
-    return out, lse
+    return out, lse, bits
 
 
 @kernel_op("qkv_attention_fwd", qkv_attention_fwd)
 def qkv_attention_fwd_op(
-    qkv: torch.Tensor, seed: torch.Tensor | None, heads: int, causal: bool, p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv: torch.Tensor, seed: torch.Tensor | None, heads: int, causal: bool, p: float, keep_bits: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, seq, width = qkv.shape
-    return qkv.new_empty((batch, seq, width // 3)), qkv.new_empty(batch * heads * seq, dtype=torch.float32)
+    bits_shape = (batch * heads * seq, cdiv(seq, 8)) if keep_bits else (0,)
+    return (
+        qkv.new_empty((batch, seq, width // 3)),
+        qkv.new_empty(batch * heads * seq, dtype=torch.float32),
+        qkv.new_empty(bits_shape, dtype=torch.uint8),
+    )
 
 
 def qkv_attention_bwd(
@@ -428,6 +483,7 @@ def qkv_attention_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     seed: torch.Tensor | None,
+    bits: torch.Tensor,
     heads: int,
     causal: bool,
     p: float,
@@ -440,7 +496,7 @@ def qkv_attention_bwd(
     Args:
         dout: the gradient of ``out``, ``[batch, seq, dim]``.
         qkv, seed, heads, causal, p: as given to :func:`qkv_attention_fwd`.
-        out, lse: what it returned.
+        out, lse, bits: what it returned (bits ``[0]``: draw the mask again).
         bias_grad: also sum the packed gradient over tokens (the projection's bias gradient).
         bias_dtype: the bias gradient's dtype.
         into: ``into[0]``, when given, is where to write the bias gradient (its place in a
@@ -469,22 +525,25 @@ def qkv_attention_bwd(
         out, dout, delta, heads, seq, dim, BM=delta_rows, HD=head_dim, num_warps=4, **_backend.dependent_launch(qkv)
     )
     seed = qkv if seed is None else seed
+    keep_bits = bits.numel() > 0
     scales = (sm_scale * _LOG2E, sm_scale, p, dropout_scale(p))
     bm, bn, warps, stages = plan.dkdv
     kv_blocks = cdiv(seq, bn)
     partials = functools.partial(torch.empty, dtype=torch.float32, device=qkv.device)
     kv_partials = partials((2, batch * kv_blocks, dim)) if bias_grad else None
     _attention_dkdv_kernel[(kv_blocks * bh,)](
-        qkv, dout, lse, delta, dqkv, kv_partials, seed, batch, heads, seq, dim, *scales,
-        CAUSAL=causal, DROPOUT=p > 0, BIAS_GRAD=bias_grad, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm, BN=bn,
-        HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages, **_backend.dependent_launch(qkv),
+        qkv, dout, lse, delta, dqkv, kv_partials, seed, bits, batch, heads, seq, dim, *scales, CAUSAL=causal,
+        DROPOUT=p > 0, KEEP_BITS=keep_bits, BIAS_GRAD=bias_grad, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm,
+        BN=bn, HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages,
+        **_backend.dependent_launch(qkv),
     )  # fmt: skip
     bm, bn, warps, stages = plan.dq
     q_partials = partials((1, batch * cdiv(seq, bm), dim)) if bias_grad else None
     _attention_dq_kernel[(cdiv(seq, bm) * bh,)](
-        qkv, dout, lse, delta, dqkv, q_partials, seed, heads, seq, dim, *scales,
-        CAUSAL=causal, DROPOUT=p > 0, BIAS_GRAD=bias_grad, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm, BN=bn,
-        HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages, **_backend.dependent_launch(qkv),
+        qkv, dout, lse, delta, dqkv, q_partials, seed, bits, heads, seq, dim, *scales, CAUSAL=causal,
+        DROPOUT=p > 0, KEEP_BITS=keep_bits, BIAS_GRAD=bias_grad, EVEN_M=seq % bm == 0, EVEN_N=seq % bn == 0, BM=bm,
+        BN=bn, HD=head_dim, PRECISION=precision, num_warps=warps, num_stages=stages,
+        **_backend.dependent_launch(qkv),
     )  # fmt: skip
     if bias_grad:
         dbias = grads[1]
@@ -500,6 +559,7 @@ def qkv_attention_bwd_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     seed: torch.Tensor | None,
+    bits: torch.Tensor,
     heads: int,
     causal: bool,
     p: float,
@@ -517,8 +577,8 @@ class QKVAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, heads, causal, p, seed):
         qkv = F.linear(x, weight, bias)
-        out, lse = qkv_attention_fwd_op(qkv, seed, heads, causal, p)
-        ctx.save_for_backward(x, weight, placeable(bias), qkv, out, lse, seed)
+        out, lse, bits = qkv_attention_fwd_op(qkv, seed, heads, causal, p, keeps_mask_bits(qkv, heads, p))
+        ctx.save_for_backward(x, weight, placeable(bias), qkv, out, lse, seed, bits)
         ctx.options = (heads, causal, p)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
@@ -526,10 +586,10 @@ class QKVAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         refuse_create_graph("qkv_attention")
-        x, weight, bias, qkv, out, lse, seed = ctx.saved_tensors
+        x, weight, bias, qkv, out, lse, seed, bits = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         grads = qkv_attention_bwd_op(
-            dout, qkv, out, lse, seed, *ctx.options, need_bias, ctx.bias_dtype,
+            dout, qkv, out, lse, seed, bits, *ctx.options, need_bias, ctx.bias_dtype,
             into=(grad_place(bias) if need_bias else None,),
         )  # fmt: skip
         dqkv = grads[0].flatten(0, 1)
@@ -627,7 +687,7 @@ def qkv_attention(
         return qkv_attention_ref(x, weight, bias, heads, causal=causal, dropout_p=p, seed=seed)
     if not differentiated(x, weight, bias):
         qkv = F.linear(x, weight, bias)
-        return qkv_attention_fwd_op(qkv, seed if p > 0 else None, heads, causal, p)[0]
+        return qkv_attention_fwd_op(qkv, seed if p > 0 else None, heads, causal, p, False)[0]
     return QKVAttentionFunction.apply(x, weight, bias, heads, causal, p, seed if p > 0 else None)
 
 

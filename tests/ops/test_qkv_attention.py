@@ -1,5 +1,7 @@
 """qkv_attention: flash attention over a packed QKV projection, dropout from lstrain's Philox."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,8 @@ from lstrain.testing.strategies import qkv_attention_cases
 from tests.conftest import DEVICE, EXPECTED_BACKEND
 
 CHECK = OP_CHECKS["qkv_attention"]
+# the module (lstrain.ops.qkv_attention the attribute is the function)
+qkv_attention_module = importlib.import_module("lstrain.ops.qkv_attention")
 # the interpreter runs the kernels element by element: few, short cases on the CPU
 FEW = settings(max_examples=8, deadline=None) if DEVICE == "cpu" else settings(max_examples=40, deadline=None)
 
@@ -72,6 +76,22 @@ def test_dropout_is_the_mask_dropout_mask_draws():
     torch.testing.assert_close(ours, by_hand)
     again = qkv_attention(x, weight, None, heads, dropout_p=0.4, seed=torch.tensor([12], device=DEVICE))
     assert not torch.equal(ours, again)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_stored_mask_bits_and_a_mask_drawn_again_agree_bit_for_bit(monkeypatch, causal):
+    """Backward reads forward's mask as bits where they are small, else draws it again."""
+    x = torch.randn(2, 37, 8, device=DEVICE, requires_grad=True)
+    weight = (torch.randn(96, 8, device=DEVICE) * 0.3).requires_grad_()
+    bias = torch.randn(96, device=DEVICE, requires_grad=True)
+    seed = torch.tensor([3], device=DEVICE)
+    runs = []
+    for stored in (True, False):
+        monkeypatch.setattr(qkv_attention_module, "keeps_mask_bits", lambda *args, stored=stored: stored)
+        out = qkv_attention(x, weight, bias, 2, causal=causal, dropout_p=0.3, seed=seed)
+        runs.append((out, *torch.autograd.grad(out.square().sum(), (x, weight, bias))))
+    for with_bits, drawn in zip(*runs, strict=True):
+        assert torch.equal(with_bits, drawn)
 
 
 def test_no_dropout_matches_sdpa():
