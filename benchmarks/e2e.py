@@ -90,7 +90,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -150,6 +150,8 @@ class Workload:
     masked: float = 0.0
     torch_bf16_params: bool = False
     target_peak_gib: float | None = None
+    # what computes lstrain's GPT-2 and BERT attention (their configs' attn_implementation)
+    attn_implementation: str = "sdpa"
 
     @property
     def tokens_per_step(self) -> int:
@@ -306,11 +308,12 @@ def _lstrain_model(workload: Workload, fused: bool) -> torch.nn.Module:
     if workload.family == "bert":
         from lstrain.models import BertConfig, BertForMaskedLM
 
-        return BertForMaskedLM(BertConfig(**workload.config_fields(), fused=fused))
+        config = BertConfig(**workload.config_fields(), fused=fused, attn_implementation=workload.attn_implementation)
+        return BertForMaskedLM(config)
     from lstrain.models import GPT2, GPT2Config
 
     preset = getattr(GPT2Config, workload.preset)
-    return GPT2(preset(fused=fused, **workload.config_fields()))
+    return GPT2(preset(fused=fused, attn_implementation=workload.attn_implementation, **workload.config_fields()))
 
 
 _HF_FAMILIES = {  # family: (config class, model class) in transformers
@@ -907,7 +910,7 @@ def run_variant(
     log_path = logs / f"{workload.name}.{variant.name}.log"
     command = [
         sys.executable, "-m", "benchmarks.e2e", "--child", "--workload", workload.name, "--variant", variant.name,
-        "--warmup", str(warmup), "--steps", str(steps),
+        "--warmup", str(warmup), "--steps", str(steps), "--attn-implementation", workload.attn_implementation,
     ]  # fmt: skip
     if profile_out is not None:
         command += ["--profile-out", str(profile_out.resolve())]
@@ -1024,6 +1027,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=list(VARIANTS), help="run this variant alone and profile one step")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--attn-implementation", choices=("sdpa", "lstrain"), default="sdpa",  # lstrain.layers.ATTN_IMPLEMENTATIONS
+        help="what computes lstrain's GPT-2 and BERT attention (their configs' attn_implementation)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     for name in ("steps", "warmup"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -1031,12 +1038,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         if len(args.workload or ()) != 1 or len(args.variant or ()) != 1:
             parser.error("--child takes exactly one --workload and one --variant")
-        workload = WORKLOADS[args.workload[0]]
+        workload = replace(WORKLOADS[args.workload[0]], attn_implementation=args.attn_implementation)
         warmup, steps = args.warmup or workload.warmup, args.steps or workload.steps
         return child_main(workload, VARIANTS[args.variant[0]], warmup, steps, args.profile_out)
 
     started = time.perf_counter()
-    workloads = [WORKLOADS[name] for name in args.workload or DEFAULT_WORKLOADS]
+    workloads = [
+        replace(WORKLOADS[name], attn_implementation=args.attn_implementation)
+        for name in args.workload or DEFAULT_WORKLOADS
+    ]
     variants = [VARIANTS[args.profile]] if args.profile else [VARIANTS[n] for n in args.variant or VARIANTS]
     counts = {w.name: (args.warmup or w.warmup, args.steps or w.steps) for w in workloads}
     args.out.mkdir(parents=True, exist_ok=True)

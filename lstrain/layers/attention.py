@@ -20,7 +20,10 @@ from lstrain.layers._residual import add_residual
 from lstrain.ops import attention_softmax, linear, qkv_attention, qkv_projection, qkv_projection_ref
 from lstrain.ops.qkv_attention import SUPPORTED_HEAD_DIMS
 
-__all__ = ["SelfAttention", "sdpa_mask"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "SelfAttention", "sdpa_mask"]
+
+# What computes the attention: torch's SDPA, or lstrain's qkv_attention kernels.
+ATTN_IMPLEMENTATIONS = ("sdpa", "lstrain")
 
 
 def sdpa_mask(key_padding_mask: torch.Tensor, q_len: int, causal: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -63,11 +66,12 @@ def _masked_softmax(
 class SelfAttention(torch.nn.Module):
     """``residual + dropout(c_proj(attention(c_attn(x))))``.
 
-    Fused: without a padding mask or ``attn_bias``, and for a head_dim in
-    :data:`lstrain.ops.qkv_attention.SUPPORTED_HEAD_DIMS`, :func:`lstrain.ops.qkv_attention`
-    (the projection and flash attention kernels over it, its attention dropout lstrain's
-    Philox mask); else q, k, v are views of ``c_attn``'s output (their gradients meet in one
-    copy, which also sums ``c_attn``'s bias gradient: :func:`lstrain.ops.qkv_projection`).
+    Fused with ``attn_implementation="lstrain"``, without a padding mask or ``attn_bias``,
+    and for a head_dim in :data:`lstrain.ops.qkv_attention.SUPPORTED_HEAD_DIMS`:
+    :func:`lstrain.ops.qkv_attention` (the projection and flash attention kernels over it,
+    its attention dropout lstrain's Philox mask). Otherwise (``"sdpa"``, the default) q, k,
+    v are views of ``c_attn``'s output (their gradients meet in one copy, which also sums
+    ``c_attn``'s bias gradient: :func:`lstrain.ops.qkv_projection`) and SDPA attends.
     ``c_proj``'s GEMM runs without its bias and :func:`lstrain.ops.bias_dropout_residual` adds the bias,
     drops and adds the residual in one kernel. Unfused: the same in plain torch ops
     (``F.linear`` and views, SDPA or a torch softmax, ``F.dropout``), with the same
@@ -81,10 +85,13 @@ class SelfAttention(torch.nn.Module):
         attn_dropout: dropout of the attention probabilities, in training mode only.
         resid_dropout: dropout of the output projection, in training mode only.
         fused: lstrain's kernels, or plain torch ops.
+        attn_implementation: ``"sdpa"`` (``scaled_dot_product_attention``: cuDNN or flash)
+            or ``"lstrain"`` (:func:`lstrain.ops.qkv_attention` where it applies; fused only).
         device, dtype: of the parameters.
 
     Raises:
-        ValueError: ``dim`` not a multiple of ``heads``, or a dropout outside [0, 1).
+        ValueError: ``dim`` not a multiple of ``heads``, a dropout outside [0, 1), or an
+            unknown ``attn_implementation``.
 
     ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None, seed=None,
     attn_seed=None)``: ``x``
@@ -106,10 +113,15 @@ class SelfAttention(torch.nn.Module):
         attn_dropout: float = 0.0,
         resid_dropout: float = 0.0,
         fused: bool = True,
+        attn_implementation: str = "sdpa",
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"SelfAttention: attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}"
+            )
         if heads <= 0 or dim % heads:
             raise ValueError(f"SelfAttention: dim={dim} must be a multiple of heads={heads}")
         for name, p in (("attn_dropout", attn_dropout), ("resid_dropout", resid_dropout)):
@@ -120,6 +132,7 @@ class SelfAttention(torch.nn.Module):
         self.attn_dropout = attn_dropout
         self.resid_dropout = resid_dropout
         self.fused = fused
+        self.attn_implementation = attn_implementation
         self.c_attn = torch.nn.Linear(dim, 3 * dim, device=device, dtype=dtype)
         self.c_proj = torch.nn.Linear(dim, dim, device=device, dtype=dtype)
 
@@ -135,7 +148,8 @@ class SelfAttention(torch.nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, seq, dim = x.shape
         p = self.attn_dropout if self.training else 0.0
-        if self.fused and attn_bias is None and key_padding_mask is None and dim // self.heads in SUPPORTED_HEAD_DIMS:
+        flash = self.fused and self.attn_implementation == "lstrain"
+        if flash and attn_bias is None and key_padding_mask is None and dim // self.heads in SUPPORTED_HEAD_DIMS:
             out = qkv_attention(
                 x, self.c_attn.weight, self.c_attn.bias, self.heads, causal=self.causal, dropout_p=p, seed=attn_seed
             )
@@ -170,5 +184,5 @@ class SelfAttention(torch.nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.heads}, causal={self.causal}, attn_dropout={self.attn_dropout}, "
-            f"resid_dropout={self.resid_dropout}, fused={self.fused}"
+            f"resid_dropout={self.resid_dropout}, fused={self.fused}, attn_implementation={self.attn_implementation!r}"
         )

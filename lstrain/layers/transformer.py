@@ -36,6 +36,7 @@ class TransformerLayer(torch.nn.Module):
         resid_dropout: dropout of each sublayer's output before the residual add.
         eps: the LayerNorms' epsilon.
         fused: lstrain's kernels, or plain torch ops.
+        attn_implementation: the attention's, as :class:`SelfAttention` names them.
         device, dtype: of the parameters.
 
     Raises:
@@ -72,6 +73,7 @@ class TransformerLayer(torch.nn.Module):
         resid_dropout: float = 0.0,
         eps: float = 1e-5,
         fused: bool = True,
+        attn_implementation: str = "sdpa",
         device=None,
         dtype=None,
     ) -> None:
@@ -80,7 +82,9 @@ class TransformerLayer(torch.nn.Module):
         norm = lstrain.nn.LayerNorm if fused else torch.nn.LayerNorm
         factory = {"device": device, "dtype": dtype}
         self.ln_1 = norm(dim, eps=eps, **factory)
-        self.attn = SelfAttention(dim, heads, causal, attn_dropout, resid_dropout, fused, **factory)
+        self.attn = SelfAttention(
+            dim, heads, causal, attn_dropout, resid_dropout, fused, attn_implementation=attn_implementation, **factory
+        )
         self.ln_2 = norm(dim, eps=eps, **factory)
         self.mlp = MLP(dim, ffn_dim or 4 * dim, activation, resid_dropout, fused, **factory)
 

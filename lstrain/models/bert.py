@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import lstrain.nn
 from lstrain.layers import TransformerLayer
+from lstrain.layers.attention import ATTN_IMPLEMENTATIONS
 from lstrain.layers.mlp import ACTIVATIONS
 from lstrain.models.hf_checkpoint import config_from_hf, config_to_hf, read_checkpoint, write_checkpoint
 from lstrain.models.inputs import (
@@ -112,6 +113,10 @@ class BertConfig:
             ``padding_idx``, as in HF), or None.
         initializer_range: std of the normal initialisation (HF's).
         fused: lstrain's kernels, or the same model in plain torch ops.
+        attn_implementation: what computes the fused model's attention: ``"sdpa"`` (torch's
+            ``scaled_dot_product_attention``, cuDNN or flash) or ``"lstrain"``
+            (:func:`lstrain.ops.qkv_attention`'s kernels where there is no padding mask).
+            lstrain's own field, as ``fused``: not read from or written to a config.json.
 
     Raises:
         ValueError: a field out of range or of the wrong type; the message names it.
@@ -131,6 +136,7 @@ class BertConfig:
     pad_token_id: int | None = 0
     initializer_range: float = 0.02
     fused: bool = True
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         for name in (
@@ -165,6 +171,11 @@ class BertConfig:
             raise ValueError(f"BertConfig: hidden_act must be one of {sorted(_ACTIVATIONS)}, got {self.hidden_act!r}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"BertConfig: fused must be a bool, got {self.fused!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"BertConfig: attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                f"got {self.attn_implementation!r}"
+            )
 
     @classmethod
     def base(cls, **overrides) -> BertConfig:
@@ -350,6 +361,7 @@ class BertForMaskedLM(torch.nn.Module):
                 resid_dropout=config.hidden_dropout_prob,
                 eps=config.layer_norm_eps,
                 fused=config.fused,
+                attn_implementation=config.attn_implementation,
                 **factory,
             )
             for _ in range(config.num_hidden_layers)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import lstrain.nn
 from lstrain.layers import TransformerLayer
+from lstrain.layers.attention import ATTN_IMPLEMENTATIONS
 from lstrain.models.hf_checkpoint import (
     check_state_fits,
     config_from_hf,
@@ -81,6 +82,10 @@ class GPT2Config:
         layer_norm_epsilon: the LayerNorms' epsilon.
         initializer_range: std of the normal initialisation (HF's).
         fused: lstrain's kernels, or the same model in plain torch ops.
+        attn_implementation: what computes the fused model's attention: ``"sdpa"`` (torch's
+            ``scaled_dot_product_attention``, cuDNN or flash) or ``"lstrain"``
+            (:func:`lstrain.ops.qkv_attention`'s kernels where there is no padding mask).
+            lstrain's own field, as ``fused``: not read from or written to a config.json.
 
     Raises:
         ValueError: a field out of range or of the wrong type; the message names it.
@@ -99,6 +104,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
     fused: bool = True
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner"):
@@ -124,6 +130,11 @@ class GPT2Config:
             )
         if not isinstance(self.fused, bool):
             raise ValueError(f"GPT2Config: fused must be a bool, got {self.fused!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"GPT2Config: attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                f"got {self.attn_implementation!r}"
+            )
 
     @classmethod
     def small(cls, **overrides) -> GPT2Config:
@@ -249,6 +260,7 @@ class GPT2(torch.nn.Module):
                         resid_dropout=config.resid_pdrop,
                         eps=config.layer_norm_epsilon,
                         fused=config.fused,
+                        attn_implementation=config.attn_implementation,
                         **factory,
                     )
                     for _ in range(config.n_layer)

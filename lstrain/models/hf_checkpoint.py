@@ -13,11 +13,16 @@ import torch
 __all__ = ["check_state_fits", "config_from_hf", "config_to_hf", "read_checkpoint", "write_checkpoint"]
 
 
+# Config fields that are lstrain's own: never read from or written to a config.json.
+LSTRAIN_FIELDS = frozenset({"fused", "attn_implementation"})
+
+
 def config_from_hf(cls: type, hf: dict, model_type: str, fixed: dict, overrides: dict):
     """A model's Config dataclass from a Hugging Face ``config.json``.
 
     Args:
-        cls: the Config dataclass (its fields take HF's names; ``fused`` is lstrain's own).
+        cls: the Config dataclass (its fields take HF's names; :data:`LSTRAIN_FIELDS` are
+            lstrain's own).
         hf: the parsed ``config.json``.
         model_type: the ``model_type`` the file must have (a missing one is assumed to be it).
         fixed: HF settings the model implements only at these values.
@@ -34,7 +39,7 @@ def config_from_hf(cls: type, hf: dict, model_type: str, fixed: dict, overrides:
     for name, assumed in fixed.items():
         if hf.get(name, assumed) != assumed:
             raise ValueError(f"{cls.__name__}: config.json sets {name}={hf[name]!r}; only {assumed!r} is supported")
-    fields = {f.name for f in dataclasses.fields(cls)} - {"fused"}
+    fields = {f.name for f in dataclasses.fields(cls)} - LSTRAIN_FIELDS
     return cls(**{**{k: v for k, v in hf.items() if k in fields}, **overrides})
 
 
@@ -50,7 +55,7 @@ def config_to_hf(config, architecture: str, model_type: str, fixed: dict) -> dic
     Returns:
         A JSON-serialisable dict.
     """
-    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "fused"}
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in LSTRAIN_FIELDS}
     return {"architectures": [architecture], "model_type": model_type, **fields, **fixed}
 
 

@@ -24,9 +24,9 @@ class _Run(torch.nn.Module):
         return self.layer(x, self.key_padding_mask, self.attn_bias)
 
 
-def _twins(**kwargs):
+def _twins(attn_implementation="sdpa", **kwargs):
     torch.manual_seed(0)
-    fused = TransformerLayer(fused=True, device=DEVICE, **kwargs)
+    fused = TransformerLayer(fused=True, attn_implementation=attn_implementation, device=DEVICE, **kwargs)
     plain = TransformerLayer(fused=False, device=DEVICE, **kwargs)
     return fused, plain
 
@@ -39,21 +39,22 @@ def _padding(batch, seq, left=False):
 
 
 @pytest.mark.parametrize(
-    ("norm_first", "padding", "learned_bias", "heads"),
+    ("norm_first", "padding", "learned_bias", "heads", "attn_implementation"),
     [
-        (True, None, False, 2),  # GPT-2: causal, qkv_attention (head_dim 16)
-        (False, None, False, 2),  # BERT: post-LN, bidirectional, qkv_attention
-        (True, None, False, 4),  # head_dim 8: SDPA
-        (True, "right", False, 2),  # a padding mask: SDPA
-        (True, "left", False, 4),  # fully masked query rows stay finite
-        (False, "right", False, 4),
-        (True, "right", True, 4),  # a learned bias: attention_softmax
-        (False, None, True, 2),
+        (True, None, False, 4, "sdpa"),  # GPT-2: causal SDPA
+        (True, None, False, 2, "lstrain"),  # the same through qkv_attention (head_dim 16)
+        (False, None, False, 2, "lstrain"),  # BERT: post-LN, bidirectional, qkv_attention
+        (True, None, False, 4, "lstrain"),  # head_dim 8: SDPA
+        (True, "right", False, 2, "lstrain"),  # a padding mask: SDPA
+        (True, "left", False, 4, "sdpa"),  # fully masked query rows stay finite
+        (False, "right", False, 4, "sdpa"),
+        (True, "right", True, 4, "sdpa"),  # a learned bias: attention_softmax
+        (False, None, True, 2, "lstrain"),
     ],
 )
-def test_fused_matches_unfused(norm_first, padding, learned_bias, heads):
+def test_fused_matches_unfused(norm_first, padding, learned_bias, heads, attn_implementation):
     batch, seq, dim = 2, 8, 32
-    fused, plain = _twins(dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
+    fused, plain = _twins(attn_implementation, dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
     mask = None if padding is None else _padding(batch, seq, left=padding == "left")
     bias_shape = (1, heads, seq, seq) if learned_bias else None
     ours, theirs = _Run(fused, mask, bias_shape), _Run(plain, mask, bias_shape)
@@ -68,7 +69,7 @@ def test_fused_matches_unfused(norm_first, padding, learned_bias, heads):
         pre_ln if norm_first else {"dropout_add_layer_norm", "bias_act_dropout"}
     )
     assert ("attention_softmax" in ops) == learned_bias
-    flash = heads == 2 and padding is None and not learned_bias
+    flash = attn_implementation == "lstrain" and heads == 2 and padding is None and not learned_bias
     assert ("qkv_attention" in ops) == flash and ("qkv_projection" in ops) == (not flash)
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert_all_passed(comparisons)
@@ -166,7 +167,7 @@ def test_dropout_is_finite_and_follows_the_seed():
 def test_given_seeds_fix_the_dropouts():
     # the model draws every layer's seeds at once; a layer given its three uses them, not torch's
     # generator (head_dim 16: the attention dropout is qkv_attention's)
-    layer = TransformerLayer(32, 2, attn_dropout=0.5, resid_dropout=0.5, device=DEVICE)
+    layer = TransformerLayer(32, 2, attn_dropout=0.5, resid_dropout=0.5, attn_implementation="lstrain", device=DEVICE)
     x = torch.randn(2, 8, 32, device=DEVICE)
     seeds = torch.tensor([5, 6, 7], dtype=torch.int64, device=DEVICE)
     torch.manual_seed(0)
@@ -184,6 +185,7 @@ def test_given_seeds_fix_the_dropouts():
     ("build", "message"),
     [
         (lambda: SelfAttention(30, 4), "dim=30 must be a multiple of heads=4"),
+        (lambda: SelfAttention(32, 4, attn_implementation="flash"), "attn_implementation must be one of"),
         (lambda: SelfAttention(32, 4, attn_dropout=1.0), "attn_dropout must be in"),
         (lambda: MLP(32, 128, activation="tanh"), "activation must be one of"),
         (lambda: MLP(32, 128, dropout=-0.1), "dropout must be in"),
@@ -195,12 +197,14 @@ def test_bad_arguments_are_named(build, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
 @pytest.mark.parametrize("norm_first", [True, False])
-def test_fused_matches_unfused_bf16_on_the_gpu(norm_first):
+def test_fused_matches_unfused_bf16_on_the_gpu(norm_first, attn_implementation):
     batch, seq, dim, heads = 4, 256, 512, 8
-    fused, plain = _twins(dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
+    fused, plain = _twins(attn_implementation, dim=dim, heads=heads, norm_first=norm_first, causal=norm_first)
     fused, plain = fused.bfloat16(), plain.bfloat16()
-    mask = _padding(batch, seq)
+    # qkv_attention takes no padding mask: without one it is the attention
+    mask = _padding(batch, seq) if attn_implementation == "sdpa" else None
     x = torch.randn(batch, seq, dim, device="cuda", dtype=torch.bfloat16)
     comparisons = check_module(_Run(fused, mask), _Run(plain, mask), x, generator=torch.Generator().manual_seed(0))
     assert_all_passed(comparisons)

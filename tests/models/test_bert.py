@@ -61,10 +61,13 @@ def batch(vocab, size=(2, 12), device=DEVICE, padding=True, types=2, masked=0.25
     return tuple(None if t is None else t.to(device) for t in (ids, labels, mask, token_types))
 
 
-def test_loss_and_every_gradient_match_the_unfused_twin():
-    # padding and three token types in one case (the interpreter's time is the budget)
-    fused, plain = twins()
-    ids, labels, mask, types = batch(TINY["vocab_size"], types=TINY["type_vocab_size"])
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
+def test_loss_and_every_gradient_match_the_unfused_twin(attn_implementation):
+    # sdpa: padding and three token types in one case (the interpreter's time is the budget);
+    # lstrain: no padding, its kernels' case
+    fused, plain = twins(attn_implementation=attn_implementation)
+    padding = attn_implementation == "sdpa"
+    ids, labels, mask, types = batch(TINY["vocab_size"], padding=padding, types=TINY["type_vocab_size"])
     with record_backends() as ran:
         comparisons = check_module(
             _Loss(fused, labels, mask, types),
@@ -76,6 +79,7 @@ def test_loss_and_every_gradient_match_the_unfused_twin():
     fused_ops = {"embedding", "layer_norm", "bias_act_dropout", "dropout_add_layer_norm", "linear_cross_entropy"}
     assert {op for op, _ in ran} >= fused_ops
     assert "bias_dropout_residual" not in {op for op, _ in ran}
+    assert ("qkv_attention" in {op for op, _ in ran}) == (not padding)
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert len(comparisons) == 1 + len(list(fused.parameters()))  # the loss and every parameter
     assert_all_passed(comparisons)
@@ -129,8 +133,9 @@ def test_loss_is_the_mean_over_the_labelled_positions():
         assert fused(ids, labels=nothing).loss.isnan() and plain(ids, labels=nothing).loss.isnan()
 
 
-def test_dropout_gives_a_finite_loss_that_follows_the_seed():
-    fused, _ = twins(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
+def test_dropout_gives_a_finite_loss_that_follows_the_seed(attn_implementation):
+    fused, _ = twins(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, attn_implementation=attn_implementation)
     fused.train()
     ids, labels, mask, types = batch(TINY["vocab_size"])
     losses = []
@@ -324,9 +329,9 @@ LARGE_ISH = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("padding", [False, True])
-def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding):
-    fused, plain = twins(device="cuda", dtype=torch.bfloat16, **LARGE_ISH)
+@pytest.mark.parametrize(("padding", "attn_implementation"), [(False, "sdpa"), (True, "sdpa"), (False, "lstrain")])
+def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding, attn_implementation):
+    fused, plain = twins(device="cuda", dtype=torch.bfloat16, attn_implementation=attn_implementation, **LARGE_ISH)
     ids, labels, mask, types = batch(
         LARGE_ISH["vocab_size"], size=(4, 512), device="cuda", padding=padding, masked=0.15
     )
@@ -340,8 +345,9 @@ def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding):
 
 
 @pytest.mark.gpu
-def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu():
-    fused, plain = twins(device="cuda", dtype=torch.bfloat16, **LARGE_ISH)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
+def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu(attn_implementation):
+    fused, plain = twins(device="cuda", dtype=torch.bfloat16, attn_implementation=attn_implementation, **LARGE_ISH)
     torch.manual_seed(1)
     batches = _masked_counting_batches(200, 8, 256, LARGE_ISH["vocab_size"], labelled=0.15)
     ours, theirs = _train(fused, batches, "cuda", lr=1e-3), _train(plain, batches, "cuda", lr=1e-3)

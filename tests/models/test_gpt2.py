@@ -46,9 +46,9 @@ def batch(vocab, size=(2, 12), device=DEVICE, padding=True):
     return ids, labels, mask
 
 
-@pytest.mark.parametrize("padding", [False, True])
-def test_loss_and_every_gradient_match_the_unfused_twin(padding):
-    fused, plain = twins()
+@pytest.mark.parametrize(("padding", "attn_implementation"), [(False, "sdpa"), (True, "sdpa"), (False, "lstrain")])
+def test_loss_and_every_gradient_match_the_unfused_twin(padding, attn_implementation):
+    fused, plain = twins(attn_implementation=attn_implementation)
     ids, labels, mask = batch(TINY["vocab_size"], padding=padding)
     with record_backends() as ran:
         comparisons = check_module(
@@ -59,6 +59,7 @@ def test_loss_and_every_gradient_match_the_unfused_twin(padding):
     # every residual add carries the LayerNorm after it; only the first layer's ln_1 runs alone
     ops = [op for op, _ in ran]
     assert ops.count("layer_norm") == ops.count("embedding") and "bias_dropout_residual" not in ops
+    assert ops.count("qkv_attention") == (TINY["n_layer"] if attn_implementation == "lstrain" else 0)
     assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert len(comparisons) == 1 + len(list(fused.parameters()))  # the loss and every parameter
     assert_all_passed(comparisons)
@@ -74,8 +75,9 @@ def test_logits_match_the_unfused_twin():
     assert fused(ids, labels=ids).logits is None  # the fused loss never builds the logits
 
 
-def test_dropout_gives_a_finite_loss_that_follows_the_seed():
-    fused, _ = twins(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
+def test_dropout_gives_a_finite_loss_that_follows_the_seed(attn_implementation):
+    fused, _ = twins(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation=attn_implementation)
     ids, labels, mask = batch(TINY["vocab_size"])
     losses = []
     for seed in (0, 0, 1):
@@ -233,9 +235,9 @@ MEDIUM = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 512, "n_layer": 4,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("padding", [False, True])
-def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding):
-    fused, plain = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
+@pytest.mark.parametrize(("padding", "attn_implementation"), [(False, "sdpa"), (True, "sdpa"), (False, "lstrain")])
+def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding, attn_implementation):
+    fused, plain = twins(device="cuda", dtype=torch.bfloat16, attn_implementation=attn_implementation, **MEDIUM)
     ids, labels, mask = batch(MEDIUM["vocab_size"], size=(4, 512), device="cuda", padding=padding)
     comparisons = check_module(
         _Loss(fused, labels, mask), _Loss(plain, labels, mask), ids, generator=torch.Generator().manual_seed(0)
@@ -244,8 +246,9 @@ def test_loss_and_gradients_match_the_unfused_twin_bf16_on_the_gpu(padding):
 
 
 @pytest.mark.gpu
-def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu():
-    fused, plain = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
+def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu(attn_implementation):
+    fused, plain = twins(device="cuda", dtype=torch.bfloat16, attn_implementation=attn_implementation, **MEDIUM)
     torch.manual_seed(1)
     batches = _counting_batches(200, 8, 256, MEDIUM["vocab_size"])
     # At lr 1e-3 this bf16 model's loss climbs before it falls (10.9 -> 11.3 within 30 steps),
@@ -264,11 +267,12 @@ def test_loss_curves_match_the_unfused_twin_bf16_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_torch_compile_fullgraph_on_the_gpu_matches_eager():
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "lstrain"])
+def test_torch_compile_fullgraph_on_the_gpu_matches_eager(attn_implementation):
     """The whole fused model compiled with fullgraph=True: the eager model's loss and
     gradients (the same kernels, Inductor's code around them), no recompile on new data."""
-    fused, _ = twins(device="cuda", dtype=torch.bfloat16, **MEDIUM)
-    ids, labels, mask = batch(MEDIUM["vocab_size"], size=(2, 256), device="cuda")
+    fused, _ = twins(device="cuda", dtype=torch.bfloat16, attn_implementation=attn_implementation, **MEDIUM)
+    ids, labels, mask = batch(MEDIUM["vocab_size"], size=(2, 256), device="cuda", padding=attn_implementation == "sdpa")
 
     def loss_and_grads(forward, i):
         fused.zero_grad(set_to_none=True)
