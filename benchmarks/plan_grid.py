@@ -27,6 +27,7 @@ from lstrain.ops import (
     gemm,
     layer_norm,
     linear_cross_entropy,
+    qkv_attention,
 )
 from lstrain.ops.swiglu import swiglu_act, swiglu_act_bwd, swiglu_fwd
 
@@ -136,3 +137,15 @@ def test_embedding(dtype, vocab, dim, deterministic):
     tokens[0, :3] = 7  # a row looked up three times
     y = embedding(tokens, weight, pos_weight=pos_weight, scale=2.0, dropout=0.1, deterministic=deterministic)
     y.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal, p", [(True, 0.1), (False, 0.0), (False, 0.1)])
+def test_qkv_attention(dtype, head_dim, causal, p):
+    # 256 rows: every kernel at its full tiles (they shrink for shorter sequences); one
+    # head, so the interpreter's work stays small
+    x = torch.randn(1, 256, 16, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(3 * head_dim, 16, dtype=dtype) * 0.2).requires_grad_()
+    bias = torch.randn(3 * head_dim, dtype=dtype, requires_grad=True)
+    qkv_attention(x, weight, bias, 1, causal=causal, dropout_p=p, seed=torch.tensor([1])).sum().backward()

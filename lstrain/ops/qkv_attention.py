@@ -385,36 +385,34 @@ class AttentionPlan:
 
 
 @functools.cache
-def attention_plan(head_dim: int, dtype: torch.dtype, seq: int, interpreter: bool) -> AttentionPlan:
+def attention_plan(head_dim: int, dtype: torch.dtype, seq: int) -> AttentionPlan:
     """The tiles for a head width, dtype and sequence length (see :class:`AttentionPlan`).
 
     Args:
         head_dim: one of :data:`SUPPORTED_HEAD_DIMS`.
         dtype: of q, k and v (fp32 runs IEEE products in smaller tiles).
-        seq: the sequence length (tiles shrink to it, at least 16).
-        interpreter: Triton's CPU interpreter (small tiles: it runs them element by element).
+        seq: the sequence length: tiles are at most half of it rounded up to a power of two
+            (at least 16), so that a short sequence still spreads over several programs.
 
     Returns:
         The plan.
     """
-    if interpreter:
-        plan = AttentionPlan((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))
-    elif dtype == torch.float32:
+    if dtype == torch.float32:
         plan = AttentionPlan((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     elif head_dim <= 64:
         plan = AttentionPlan((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3))
     else:
         plan = AttentionPlan((128, 64, 8, 3), (32, 128, 8, 2), (128, 32, 8, 2))
-    cap = max(16, triton.next_power_of_2(seq))
+    cap = max(16, triton.next_power_of_2(seq) // 2)
     return AttentionPlan(*((min(bm, cap), min(bn, cap), w, s) for bm, bn, w, s in (plan.fwd, plan.dkdv, plan.dq)))
 
 
-def _launch_args(qkv: torch.Tensor, heads: int) -> tuple[int, int, int, int, float, str, bool]:
+def _launch_args(qkv: torch.Tensor, heads: int) -> tuple[int, int, int, int, float, str]:
     batch, seq, width = qkv.shape
     dim = width // 3
     head_dim = dim // heads
     precision = "ieee" if qkv.dtype == torch.float32 else "tf32"  # tf32: unused for 16-bit inputs
-    return batch, seq, dim, head_dim, 1.0 / math.sqrt(head_dim), precision, _backend.interpreter_active()
+    return batch, seq, dim, head_dim, 1.0 / math.sqrt(head_dim), precision
 
 
 def keeps_mask_bits(qkv: torch.Tensor, heads: int, p: float) -> bool:
@@ -447,14 +445,14 @@ def qkv_attention_fwd(
         byte c // 8; blocks a causal row never reaches are left unwritten), or ``[0]``
         without ``keep_bits``.
     """
-    batch, seq, dim, head_dim, sm_scale, precision, interpreter = _launch_args(qkv, heads)
+    batch, seq, dim, head_dim, sm_scale, precision = _launch_args(qkv, heads)
     out = torch.empty((batch, seq, dim), dtype=qkv.dtype, device=qkv.device)
     lse = torch.empty(batch * heads * seq, dtype=torch.float32, device=qkv.device)
     bits_shape = (batch * heads * seq, cdiv(seq, 8)) if keep_bits else (0,)
     bits = torch.empty(bits_shape, dtype=torch.uint8, device=qkv.device)
     if out.numel() == 0:
         return out, lse, bits
-    bm, bn, warps, stages = attention_plan(head_dim, qkv.dtype, seq, interpreter).fwd
+    bm, bn, warps, stages = attention_plan(head_dim, qkv.dtype, seq).fwd
     _attention_fwd_kernel[(cdiv(seq, bm) * batch * heads,)](
         qkv, out, lse, qkv if seed is None else seed, bits, heads, seq, dim, sm_scale * _LOG2E, p,
         dropout_scale(p), CAUSAL=causal, DROPOUT=p > 0, KEEP_BITS=keep_bits, EVEN_M=seq % bm == 0,
@@ -506,7 +504,7 @@ def qkv_attention_bwd(
         ``[dqkv]`` (``[batch, seq, 3 * dim]``, contiguous), then the bias gradient
         ``[3 * dim]`` if asked for (fp32 per-tile partials summed in a fixed order).
     """
-    batch, seq, dim, head_dim, sm_scale, precision, interpreter = _launch_args(qkv, heads)
+    batch, seq, dim, head_dim, sm_scale, precision = _launch_args(qkv, heads)
     dqkv = torch.empty_like(qkv)
     grads = [dqkv]
     if bias_grad:
@@ -517,7 +515,7 @@ def qkv_attention_bwd(
             grads[1].zero_()
         return grads
     dout = dout.contiguous()
-    plan = attention_plan(head_dim, qkv.dtype, seq, interpreter)
+    plan = attention_plan(head_dim, qkv.dtype, seq)
     bh = batch * heads
     delta = torch.empty_like(lse)
     delta_rows = min(64, max(16, triton.next_power_of_2(seq)))
