@@ -6,7 +6,9 @@ Evidence for the constants of the plan functions (``layer_norm_fwd_plan``,
 ``layer_norm_bwd_plan``, ``attention_softmax_plan``, ``cross_entropy_plan``,
 ``gemm_plan``), and where the time of the dropout ops and of the SwiGLU MLP's GEMMs goes
 (beside cuBLAS doing the same products), and issue 33's pattern A against the unfused path
-(``--op norm_epilogue``, forward kernels and a whole decoder layer): each kernel alone, one launch
+(``--op norm_epilogue``, forward kernels and a whole decoder layer), and ``qkv_attention``'s tiles
+per kernel, its dropout mask stored as bits against drawn again, and cuDNN's SDPA on the same
+projection (``--op qkv_attention``): each kernel alone, one launch
 captured in a CUDA graph and replayed under ``do_bench`` (L2 flushed, median), at the
 shapes of the targets. Prints the best plans first for each kernel and shape.
 """
@@ -42,6 +44,7 @@ from lstrain.ops.layer_norm import (
     layer_norm_fwd_plan,
 )
 from lstrain.ops.linear_add_rms_norm_swiglu import linear_add_rms_norm_fwd
+from lstrain.ops.qkv_attention import AttentionPlan, attention_plan, qkv_attention_bwd, qkv_attention_fwd
 from lstrain.ops.swiglu import swiglu_act, swiglu_act_bwd, swiglu_fwd
 
 
@@ -250,7 +253,10 @@ def _decoder_layer_us(norm_in_epilogue: bool, dim: int, heads: int, features: in
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="only vary the pipelining depth of the default plans")
-    choices = ("layer_norm", "attention_softmax", "cross_entropy", "dropout", "gemm", "swiglu_mlp", "norm_epilogue")
+    choices = (
+        "layer_norm", "attention_softmax", "cross_entropy", "dropout", "gemm", "swiglu_mlp", "norm_epilogue",
+        "qkv_attention",
+    )  # fmt: skip
     parser.add_argument("--op", action="append", choices=choices)
     args = parser.parse_args()
     ops = args.op or choices
@@ -268,6 +274,8 @@ def main() -> None:
         sweep_layer_norm(args.quick)
     if "attention_softmax" in ops:
         sweep_attention_softmax(args.quick)
+    if "qkv_attention" in ops:
+        sweep_qkv_attention(args.quick)
 
 
 def sweep_layer_norm(quick: bool) -> None:
@@ -321,6 +329,76 @@ def sweep_attention_softmax(quick: bool) -> None:
         bwd.append((graph_us(functools.partial(attention_softmax_bwd, dy, y, 0.125, True, plan=plan)), plan))
     report("attention_softmax fwd 8x16x1024x1024 causal", fwd, attention_softmax_plan(1024))
     report("attention_softmax bwd 8x16x1024x1024 causal", bwd, attention_softmax_plan(1024, backward=True))
+
+
+# (query rows, key rows, warps, stages) of each qkv_attention kernel; causal masking needs the
+# inner loop's tile to divide the outer one's (AttentionPlan)
+_QKV_ATTENTION_TILES = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4), (128, 64, 4, 2),
+            (64, 32, 4, 3), (128, 64, 8, 2)],
+    "dkdv": [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2), (32, 128, 8, 3),
+             (16, 128, 4, 4), (64, 64, 4, 2), (32, 64, 4, 2)],
+    "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3), (128, 16, 4, 4),
+           (64, 32, 4, 2), (128, 64, 8, 2)],
+}  # fmt: skip
+
+
+def sweep_qkv_attention(quick: bool) -> None:
+    """qkv_attention at GPT-2 medium's and BERT-large's attention (bf16, dropout 0.1): each
+    kernel's tiles (forward alone; backward, the delta, dK / dV and dQ kernels, varying one
+    kernel's tiles at a time), the mask stored as bits against drawn again in backward, and
+    cuDNN's SDPA forward + backward on views of the same projection."""
+    for name, batch, seq, heads, causal in (("gpt2-medium", 8, 1024, 16, True), ("bert-large", 16, 512, 16, False)):
+        _sweep_qkv_attention_at(name, batch, seq, heads, causal, quick)
+
+
+def _sweep_qkv_attention_at(name: str, batch: int, seq: int, heads: int, causal: bool, quick: bool) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype, dim, p = torch.bfloat16, heads * 64, 0.1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(batch, seq, 3 * dim, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(batch, seq, dim, device="cuda", dtype=dtype, generator=gen)
+    seed = new_seed("cuda")
+    default = attention_plan(64, dtype, seq)
+    shape = f"{name} {batch}x{heads}x{seq}x64 {'causal' if causal else 'bidirectional'} p={p}"
+
+    def fwd_us(plan, keep_bits=True):
+        return graph_us(lambda: qkv_attention_fwd(qkv, seed, heads, causal, p, keep_bits, plan=plan))
+
+    out, lse, bits = qkv_attention_fwd(qkv, seed, heads, causal, p, True)
+
+    def bwd_us(plan, stored=bits):
+        return graph_us(
+            lambda: qkv_attention_bwd(dout, qkv, out, lse, seed, stored, heads, causal, p, True, dtype, plan=plan)
+        )
+
+    def tiles(kernel):
+        return _QKV_ATTENTION_TILES[kernel][:2] if quick else _QKV_ATTENTION_TILES[kernel]
+
+    results = [(fwd_us(AttentionPlan(t, default.dkdv, default.dq)), t) for t in tiles("fwd")]
+    report(f"qkv_attention fwd {shape}", results, default.fwd)
+    fwd = results[0][1]
+    results = [(bwd_us(AttentionPlan(fwd, t, default.dq)), t) for t in tiles("dkdv")]
+    report(f"qkv_attention bwd (dK/dV tiles) {shape}", results, default.dkdv)
+    dkdv = results[0][1]
+    results = [(bwd_us(AttentionPlan(fwd, dkdv, t)), t) for t in tiles("dq")]
+    report(f"qkv_attention bwd (dQ tiles) {shape}", results, default.dq)
+    best = AttentionPlan(fwd, dkdv, results[0][1])
+    stored = fwd_us(best) + bwd_us(best)
+    drawn = fwd_us(best, keep_bits=False) + bwd_us(best, stored=bits.new_empty(0))
+    q, k, v = (t.detach().requires_grad_() for t in qkv.view(batch, seq, 3, heads, 64).permute(2, 0, 3, 1, 4))
+    grad = dout.view(batch, seq, heads, 64).transpose(1, 2)
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+        torch.autograd.grad(o, (q, k, v), grad)
+
+    print(
+        f"== qkv_attention {shape}, best {best}: fwd + bwd {stored:.1f} us with the mask stored as bits, "
+        f"{drawn:.1f} us drawn again; cuDNN SDPA fwd + bwd {graph_us(sdpa):.1f} us"
+    )
 
 
 if __name__ == "__main__":

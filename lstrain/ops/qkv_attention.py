@@ -45,7 +45,9 @@ from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
+    "AttentionPlan",
     "QKVAttentionFunction",
+    "attention_plan",
     "keeps_mask_bits",
     "qkv_attention",
     "qkv_attention_bwd",
@@ -426,7 +428,13 @@ def keeps_mask_bits(qkv: torch.Tensor, heads: int, p: float) -> bool:
 
 
 def qkv_attention_fwd(
-    qkv: torch.Tensor, seed: torch.Tensor | None, heads: int, causal: bool, p: float, keep_bits: bool
+    qkv: torch.Tensor,
+    seed: torch.Tensor | None,
+    heads: int,
+    causal: bool,
+    p: float,
+    keep_bits: bool,
+    plan: AttentionPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on a validated, contiguous packed projection.
 
@@ -437,6 +445,7 @@ def qkv_attention_fwd(
         causal: mask keys after each query.
         p: attention dropout probability.
         keep_bits: also store the dropout mask as bits (:func:`keeps_mask_bits`).
+        plan: tiles (default :func:`attention_plan`'s; the forward's are used).
 
     Returns:
         ``(out, lse, bits)``: out ``[batch, seq, dim]`` in qkv's dtype; lse fp32
@@ -452,7 +461,7 @@ def qkv_attention_fwd(
     bits = torch.empty(bits_shape, dtype=torch.uint8, device=qkv.device)
     if out.numel() == 0:
         return out, lse, bits
-    bm, bn, warps, stages = attention_plan(head_dim, qkv.dtype, seq).fwd
+    bm, bn, warps, stages = (plan or attention_plan(head_dim, qkv.dtype, seq)).fwd
     _attention_fwd_kernel[(cdiv(seq, bm) * batch * heads,)](
         qkv, out, lse, qkv if seed is None else seed, bits, heads, seq, dim, sm_scale * _LOG2E, p,
         dropout_scale(p), CAUSAL=causal, DROPOUT=p > 0, KEEP_BITS=keep_bits, EVEN_M=seq % bm == 0,
@@ -488,6 +497,7 @@ def qkv_attention_bwd(
     bias_grad: bool,
     bias_dtype: torch.dtype | None,
     into: Sequence[torch.Tensor | None] = (),
+    plan: AttentionPlan | None = None,
 ) -> list[torch.Tensor]:
     """Launch the backward kernels.
 
@@ -499,6 +509,7 @@ def qkv_attention_bwd(
         bias_dtype: the bias gradient's dtype.
         into: ``into[0]``, when given, is where to write the bias gradient (its place in a
             flat gradient buffer).
+        plan: tiles (default :func:`attention_plan`'s; dK / dV's and dQ's are used).
 
     Returns:
         ``[dqkv]`` (``[batch, seq, 3 * dim]``, contiguous), then the bias gradient
@@ -515,7 +526,7 @@ def qkv_attention_bwd(
             grads[1].zero_()
         return grads
     dout = dout.contiguous()
-    plan = attention_plan(head_dim, qkv.dtype, seq)
+    plan = plan or attention_plan(head_dim, qkv.dtype, seq)
     bh = batch * heads
     delta = torch.empty_like(lse)
     delta_rows = min(64, max(16, triton.next_power_of_2(seq)))
