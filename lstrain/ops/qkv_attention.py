@@ -62,6 +62,17 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_zero_padded(ptrs, mask, MASKED: tl.constexpr):
+    """``tl.load``, with 0 where ``mask`` is off: past the sequence a probability of 0 meets
+    these values in a product, where an undefined value could be a NaN."""
+    if MASKED:
+        value = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        value = tl.load(ptrs)
+    return value
+
+
+@triton.jit
 def _store_keep(bits_ptr, keep, rows, row_ok, start_n, S, BM: tl.constexpr, BN: tl.constexpr):
     """Store forward's keep mask of a [BM, BN] tile as bits, eight columns a byte, in a
     [rows, ceil(S / 8)] uint8 tensor: backward then reads 1 bit an element instead of
@@ -94,7 +105,7 @@ def _fwd_blocks(
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
         in_seq = offs_n < S
-        kT = tl.load(k_base + offs_n[None, :] * s_seq + offs_d[:, None], mask=in_seq[None, :] if BOUNDS else None)
+        kT = _load_zero_padded(k_base + offs_n[None, :] * s_seq + offs_d[:, None], in_seq[None, :], BOUNDS)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale
         if DIAGONAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
@@ -110,7 +121,7 @@ def _fwd_blocks(
             if KEEP_BITS:
                 _store_keep(bits_ptr, keep, rows, offs_m < S, start_n, S, BM, BN)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(v_base + offs_n[:, None] * s_seq + offs_d[None, :], mask=in_seq[:, None] if BOUNDS else None)
+        v = _load_zero_padded(v_base + offs_n[:, None] * s_seq + offs_d[None, :], in_seq[:, None], BOUNDS)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -203,7 +214,7 @@ def _dkdv_blocks(
     for start_m in range(lo, hi, BM):
         offs_m = start_m + tl.arange(0, BM)
         in_seq = offs_m < S
-        qT = tl.load(q_base + offs_m[None, :] * s_seq + offs_d[:, None], mask=in_seq[None, :] if BOUNDS else None)
+        qT = _load_zero_padded(q_base + offs_m[None, :] * s_seq + offs_d[:, None], in_seq[None, :], BOUNDS)
         # a row past the sequence gets lse = inf: probability 0, no contribution
         if BOUNDS:
             lse = tl.load(lse_ptr + row0 + offs_m, mask=in_seq, other=float("inf"))
@@ -212,7 +223,7 @@ def _dkdv_blocks(
         pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :])
         if DIAGONAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=in_seq[:, None] if BOUNDS else None)
+        do = _load_zero_padded(do_base + offs_m[:, None] * D + offs_d[None, :], in_seq[:, None], BOUNDS)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
             if KEEP_BITS:
@@ -223,7 +234,7 @@ def _dkdv_blocks(
             dpT = tl.where(keepT, dpT * keep_scale, 0.0)
         else:
             dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
-        delta = tl.load(delta_ptr + row0 + offs_m, mask=in_seq if BOUNDS else None)
+        delta = _load_zero_padded(delta_ptr + row0 + offs_m, in_seq, BOUNDS)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
     return dk, dv
@@ -300,8 +311,8 @@ def _dq_blocks(
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
         in_seq = offs_n < S
-        kT = tl.load(k_base + offs_n[None, :] * s_seq + offs_d[:, None], mask=in_seq[None, :] if BOUNDS else None)
-        vT = tl.load(k_base + D + offs_n[None, :] * s_seq + offs_d[:, None], mask=in_seq[None, :] if BOUNDS else None)
+        kT = _load_zero_padded(k_base + offs_n[None, :] * s_seq + offs_d[:, None], in_seq[None, :], BOUNDS)
+        vT = _load_zero_padded(k_base + D + offs_n[None, :] * s_seq + offs_d[:, None], in_seq[None, :], BOUNDS)
         p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse[:, None])
         if DIAGONAL:
             p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
