@@ -356,7 +356,6 @@ def qkv_attention_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
                 min_bytes,
                 flops=flops,
                 same_outputs=p == 0,
-                target_vs=("eager", 1.0),
             )  # fmt: skip
         )
     return cases
