@@ -42,6 +42,7 @@ from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
+from lstrain.ops.qkv_projection import check_packed_projection
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -55,7 +56,6 @@ __all__ = [
     "qkv_attention_ref",
 ]
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # tl.dot needs tiles of at least 16; 256 would not fit the tiles in shared memory
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -620,26 +620,9 @@ class QKVAttentionFunction(torch.autograd.Function):
 
 def _check(x, weight, bias, heads, causal) -> int:
     """Validate the inputs; returns head_dim."""
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
-        raise ValueError(f"qkv_attention: heads must be a positive int, got {heads!r}")
+    check_packed_projection("qkv_attention", x, weight, bias, heads)
     if not isinstance(causal, bool):
         raise ValueError(f"qkv_attention: causal must be a bool, got {causal!r}")
-    if x.dim() != 3:
-        raise ValueError(f"qkv_attention: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % (3 * heads):
-        raise ValueError(
-            f"qkv_attention: weight must be [3 * dim, {x.shape[-1]}] with dim a multiple of heads={heads}, "
-            f"got shape {tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"qkv_attention: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"qkv_attention: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
-        if t.device != x.device:
-            raise ValueError(f"qkv_attention: {name} is on {t.device} but x is on {x.device}")
     head_dim = weight.shape[0] // (3 * heads)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(

@@ -30,7 +30,13 @@ from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.partial_sums import sum_partials
 
-__all__ = ["QKVProjectionFunction", "pack_heads_grad", "qkv_projection", "qkv_projection_ref"]
+__all__ = [
+    "QKVProjectionFunction",
+    "check_packed_projection",
+    "pack_heads_grad",
+    "qkv_projection",
+    "qkv_projection_ref",
+]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -207,25 +213,38 @@ class QKVProjectionFunction(torch.autograd.Function):
         return dx, dweight, grads[1] if need_bias else None, None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: object) -> None:
+def check_packed_projection(
+    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: object
+) -> None:
+    """Refuse inputs that are not a packed QKV projection of ``x`` into ``heads`` heads.
+
+    Args:
+        op: the op's name, for the messages.
+        x, weight, bias, heads: as for :func:`qkv_projection`.
+
+    Raises:
+        ValueError: naming the argument: ``heads`` not a positive int, x not 3-D, a weight
+            or bias of another shape, a dtype other than float32 / float16 / bfloat16, or
+            tensors on several devices.
+    """
     if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
-        raise ValueError(f"qkv_projection: heads must be a positive int, got {heads!r}")
+        raise ValueError(f"{op}: heads must be a positive int, got {heads!r}")
     if x.dim() != 3:
-        raise ValueError(f"qkv_projection: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % (3 * heads):
         raise ValueError(
-            f"qkv_projection: weight must be [3 * dim, {x.shape[-1]}] with dim a multiple of heads={heads}, "
+            f"{op}: weight must be [3 * dim, {x.shape[-1]}] with dim a multiple of heads={heads}, "
             f"got shape {tuple(weight.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"qkv_projection: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+        raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
         if t.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"qkv_projection: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
+            raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
         if t.device != x.device:
-            raise ValueError(f"qkv_projection: {name} is on {t.device} but x is on {x.device}")
+            raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
 
 
 def qkv_projection(
@@ -252,7 +271,7 @@ def qkv_projection(
         ValueError: shapes that do not fit (named), dtypes other than float32 / float16 /
             bfloat16, tensors on several devices, or ``heads`` not a positive int.
     """
-    _check(x, weight, bias, heads)
+    check_packed_projection("qkv_projection", x, weight, bias, heads)
     x, weight, bias = autocast_inputs(x, weight, bias)
     backend = _backend.backend_for(x)
     _backend.note("qkv_projection", backend)

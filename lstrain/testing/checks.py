@@ -243,17 +243,24 @@ def _run_rope_qkv(case: dict, device: str) -> CheckResult:
     return CheckResult(comparisons, [b for _, b in ran])
 
 
-def _run_qkv_projection(case: dict, device: str) -> CheckResult:
-    gen = torch.Generator().manual_seed(case["seed"])
+def _packed_projection_inputs(case: dict, device: str, gen: torch.Generator) -> dict:
+    """x, the packed weight and (if the case has one) the bias of a QKV projection case."""
     batch, seq = case["shape"]
-    dtype, heads, width = case["dtype"], case["heads"], case["in_features"]
-    dim = heads * case["head_dim"]
+    dtype, width = case["dtype"], case["in_features"]
+    dim = case["heads"] * case["head_dim"]
     inputs = {
         "x": _randn((batch, seq, width), gen, device, dtype),
         "weight": _randn((3 * dim, width), gen, device, dtype) * width**-0.5,
     }
     if case["bias"]:
         inputs["bias"] = _randn((3 * dim,), gen, device, dtype)
+    return inputs
+
+
+def _run_qkv_projection(case: dict, device: str) -> CheckResult:
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype, heads = case["dtype"], case["heads"]
+    inputs = _packed_projection_inputs(case, device, gen)
 
     # q, k and v side by side along the heads, for the tolerance rule's one tensor; their
     # gradients then come as strided views of one, as attention's backward may leave them
@@ -269,15 +276,8 @@ def _run_qkv_projection(case: dict, device: str) -> CheckResult:
 
 def _run_qkv_attention(case: dict, device: str) -> CheckResult:
     gen = torch.Generator().manual_seed(case["seed"])
-    batch, seq = case["shape"]
-    dtype, heads, width = case["dtype"], case["heads"], case["in_features"]
-    dim = heads * case["head_dim"]
-    inputs = {
-        "x": _randn((batch, seq, width), gen, device, dtype),
-        "weight": _randn((3 * dim, width), gen, device, dtype) * width**-0.5,
-    }
-    if case["bias"]:
-        inputs["bias"] = _randn((3 * dim,), gen, device, dtype)
+    dtype, heads = case["dtype"], case["heads"]
+    inputs = _packed_projection_inputs(case, device, gen)
     # one mask for the op and both reference runs
     seed = torch.tensor([case["seed"]], dtype=torch.int64, device=device)
     options = {"causal": case["causal"], "dropout_p": case["dropout_p"], "seed": seed}
