@@ -37,7 +37,7 @@ def _case(tokens=(2, 5), vocab=11, dim=16, positions="learned", dropout=0.0, pad
 @example(case=_case(dim=1025, dropout=0.1, padding=True))  # two column blocks
 @example(case=_case(positions="explicit", deterministic=True, dropout=0.5))
 @example(case=_case(tokens=(4, 20), vocab=3, positions=None, deterministic=True))  # long runs of equal ids
-@example(case=_case(tokens=(2, 150), vocab=2, dropout=0.1, deterministic=True))  # runs of several chunks
+@example(case=_case(tokens=(2, 150), vocab=2, deterministic=True))  # runs of several chunks
 @example(case=_case(tokens=(3, 40), vocab=70000, dim=8, deterministic=True))  # int32 sort keys
 # 408 atomic adds into one fp32 row (an H200 draw: 7.7e-6 from fp32 sums, allowed 3.4e-6)
 @example(case=_case(tokens=(1, 408), vocab=1, dim=1, positions=None))
