@@ -207,7 +207,7 @@ def test_fp16_parameters_need_master_weights():
     FusedAdamW(params, state_dtype=torch.bfloat16)  # with masters: fine
 
 
-def _regression_run(options: dict, steps: int = 100) -> list[float]:
+def _regression_run(options: dict, steps: int = 50) -> list[float]:
     """A bf16 MLP fitting a fixed random teacher: its training losses under FusedAdamW(**options)."""
     torch.manual_seed(0)
     teacher = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(DEVICE)
