@@ -68,6 +68,9 @@ def _lr(step: int) -> float:
 
 SIZES = {
     "2x64": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128),
+    "2x64 qkv_attention": dict(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128, attn_implementation="lstrain"
+    ),
     "24x64 (292 tensors)": dict(n_layer=24, n_embd=64, n_head=2, vocab_size=777, n_positions=128),
     "gpt2-small shapes": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024),
 }
@@ -111,8 +114,9 @@ def test_captured_steps_are_the_eager_steps(size, precision):
 
 
 @gpu
-def test_dropout_draws_fresh_masks_per_replay_and_is_seeded():
-    config = GPT2Config(**SIZES["2x64"])
+@pytest.mark.parametrize("size", ["2x64", "2x64 qkv_attention"])
+def test_dropout_draws_fresh_masks_per_replay_and_is_seeded(size):
+    config = GPT2Config(**SIZES[size])
     (batch,) = _batches(config, 1, 2, 64)
 
     def losses(seed):
