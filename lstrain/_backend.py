@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterator
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,7 @@ import triton.language as tl
 __all__ = [
     "Backend",
     "backend_for",
+    "check_interpreter_versions",
     "dependent_launch",
     "interpreter_active",
     "note",
@@ -57,10 +60,42 @@ def interpreter_active() -> bool:
 
 
 def backend_for(tensor: torch.Tensor) -> Backend:
-    """The backend an op whose main input is ``tensor`` runs on."""
+    """The backend an op whose main input is ``tensor`` runs on.
+
+    Raises:
+        RuntimeError: the interpreter is active under a Triton and numpy that cannot run
+            lstrain's kernels together (:func:`check_interpreter_versions`).
+    """
     if interpreter_active():
+        check_interpreter_versions(triton.__version__, numpy.__version__)
         return "interpreter"
     return "triton" if tensor.is_cuda else "reference"
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+@functools.cache
+def check_interpreter_versions(triton_version: str, numpy_version: str) -> None:
+    """Refuse the CPU interpreter where it cannot run kernels whose loop bounds come from
+    ``tl.program_id``: before Triton 3.7 it turns such a bound into a Python int with
+    ``int()`` of a one-element array, which numpy 2.4 made an error (triton-lang/triton#9171).
+
+    Args:
+        triton_version: ``triton.__version__``.
+        numpy_version: ``numpy.__version__``.
+
+    Raises:
+        RuntimeError: Triton before 3.7 with numpy 2.4 or later, naming both fixes.
+    """
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        raise RuntimeError(
+            f"Triton {triton_version}'s CPU interpreter cannot run lstrain's kernels with numpy {numpy_version}: "
+            "numpy 2.4 stopped converting one-element arrays to ints, which that interpreter does for loop "
+            "bounds (triton-lang/triton#9171, fixed in Triton 3.7). Install triton>=3.7 or numpy<2.4."
+        )
 
 
 def note(op: str, backend: Backend) -> None:

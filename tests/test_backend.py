@@ -1,6 +1,7 @@
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 import lstrain
@@ -12,6 +13,13 @@ from tests.conftest import DEVICE, EXPECTED_BACKEND
 def test_the_interpreter_runs_cpu_tensors_when_there_is_no_gpu():
     assert _backend.interpreter_active() == (not torch.cuda.is_available())
     assert _backend.backend_for(torch.zeros(1, device=DEVICE)) == EXPECTED_BACKEND
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_refused():
+    with pytest.raises(RuntimeError, match=r"Triton 3.6.0's CPU interpreter .* numpy 2.4.1.*triton>=3.7 or numpy<2.4"):
+        _backend.check_interpreter_versions("3.6.0", "2.4.1")
+    for triton_version, numpy_version in (("3.6.0", "2.3.5"), ("3.7.0", "2.4.1"), ("3.9.0+git1a2b", "2.10.0")):
+        _backend.check_interpreter_versions(triton_version, numpy_version)
 
 
 def test_record_backends_collects_and_nests():
