@@ -31,7 +31,7 @@ import triton.language as tl
 __all__ = [
     "Backend",
     "backend_for",
-    "check_interpreter_versions",
+    "interpreter_version_problem",
     "dependent_launch",
     "interpreter_active",
     "note",
@@ -64,10 +64,11 @@ def backend_for(tensor: torch.Tensor) -> Backend:
 
     Raises:
         RuntimeError: the interpreter is active under a Triton and numpy that cannot run
-            lstrain's kernels together (:func:`check_interpreter_versions`).
+            lstrain's kernels together (:func:`interpreter_version_problem`).
     """
     if interpreter_active():
-        check_interpreter_versions(triton.__version__, numpy.__version__)
+        if _INTERPRETER_PROBLEM is not None:
+            raise RuntimeError(_INTERPRETER_PROBLEM)
         return "interpreter"
     return "triton" if tensor.is_cuda else "reference"
 
@@ -77,25 +78,31 @@ def _major_minor(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@functools.cache
-def check_interpreter_versions(triton_version: str, numpy_version: str) -> None:
-    """Refuse the CPU interpreter where it cannot run kernels whose loop bounds come from
-    ``tl.program_id``: before Triton 3.7 it turns such a bound into a Python int with
-    ``int()`` of a one-element array, which numpy 2.4 made an error (triton-lang/triton#9171).
+def interpreter_version_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why the CPU interpreter cannot run kernels whose loop bounds come from
+    ``tl.program_id``, if it cannot: before Triton 3.7 it turns such a bound into a Python
+    int with ``int()`` of a one-element array, which numpy 2.4 made an error
+    (triton-lang/triton#9171).
 
     Args:
         triton_version: ``triton.__version__``.
         numpy_version: ``numpy.__version__``.
 
-    Raises:
-        RuntimeError: Triton before 3.7 with numpy 2.4 or later, naming both fixes.
+    Returns:
+        The message naming both fixes for Triton before 3.7 with numpy 2.4 or later, else None.
     """
     if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
-        raise RuntimeError(
+        return (
             f"Triton {triton_version}'s CPU interpreter cannot run lstrain's kernels with numpy {numpy_version}: "
             "numpy 2.4 stopped converting one-element arrays to ints, which that interpreter does for loop "
             "bounds (triton-lang/triton#9171, fixed in Triton 3.7). Install triton>=3.7 or numpy<2.4."
         )
+    return None
+
+
+# Decided once here: torch.compile traces backend_for, and torch 2.11's dynamo cannot trace
+# the version parsing.
+_INTERPRETER_PROBLEM = interpreter_version_problem(triton.__version__, numpy.__version__)
 
 
 def note(op: str, backend: Backend) -> None:

@@ -1,4 +1,5 @@
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,15 @@ def test_the_interpreter_runs_cpu_tensors_when_there_is_no_gpu():
     assert _backend.backend_for(torch.zeros(1, device=DEVICE)) == EXPECTED_BACKEND
 
 
-def test_an_interpreter_that_cannot_run_the_kernels_is_refused():
-    with pytest.raises(RuntimeError, match=r"Triton 3.6.0's CPU interpreter .* numpy 2.4.1.*triton>=3.7 or numpy<2.4"):
-        _backend.check_interpreter_versions("3.6.0", "2.4.1")
+def test_an_interpreter_that_cannot_run_the_kernels_is_refused(monkeypatch):
+    problem = _backend.interpreter_version_problem("3.6.0", "2.4.1")
+    assert re.search(r"Triton 3.6.0's CPU interpreter .* numpy 2.4.1.*triton>=3.7 or numpy<2.4", problem)
     for triton_version, numpy_version in (("3.6.0", "2.3.5"), ("3.7.0", "2.4.1"), ("3.9.0+git1a2b", "2.10.0")):
-        _backend.check_interpreter_versions(triton_version, numpy_version)
+        assert _backend.interpreter_version_problem(triton_version, numpy_version) is None
+    if _backend.interpreter_active():
+        monkeypatch.setattr(_backend, "_INTERPRETER_PROBLEM", problem)
+        with pytest.raises(RuntimeError, match="Install triton>=3.7 or numpy<2.4"):
+            _backend.backend_for(torch.zeros(1))
 
 
 def test_record_backends_collects_and_nests():
