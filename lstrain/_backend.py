@@ -31,9 +31,9 @@ import triton.language as tl
 __all__ = [
     "Backend",
     "backend_for",
-    "interpreter_version_problem",
     "dependent_launch",
     "interpreter_active",
+    "interpreter_version_problem",
     "note",
     "record_backends",
     "wait_for_producers",

@@ -234,7 +234,10 @@ def _check_persistent_forward(mnk, *, tb=False, c=False, act=None, seed=0, preac
         d = gemm_ref(a, b, activation=act, **options)
         return torch.stack((d, gemm_ref(a, b, **options))) if preactivation else d
 
-    comparisons = check_function(ours, reference, inputs, grad_inputs=(), generator=gen)
+    with record_backends() as ran:
+        comparisons = check_function(ours, reference, inputs, grad_inputs=(), generator=gen)
+    if not preactivation:  # gemm records where it ran; the kernel op below it records nothing
+        assert {backend for _, backend in ran} == {EXPECTED_BACKEND}
     assert_all_passed(comparisons, f"{mnk} tb={tb} c={c} act={act}")
 
 
