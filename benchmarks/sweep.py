@@ -333,10 +333,10 @@ def sweep_attention_softmax(quick: bool) -> None:
 
 # (query rows, key rows, warps, stages) of each qkv_attention kernel; causal masking needs the
 # inner loop's tile to divide the outer one's (AttentionPlan)
-_QKV_ATTENTION_TILES = {  # the default first, then 4 warps: --quick times the two
+_QKV_ATTENTION_TILES = {  # the default first, then the other warp count: --quick times the two
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4), (128, 64, 4, 2),
             (64, 32, 4, 3), (128, 64, 8, 2)],
-    "dkdv": [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2),
+    "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2),
              (16, 128, 4, 4), (64, 64, 4, 2), (32, 64, 4, 2)],
     "dq": [(128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 16, 4, 4),
            (64, 32, 4, 2), (128, 64, 8, 2)],
