@@ -43,6 +43,11 @@ def _case(shape=(1, 20), in_features=8, heads=1, head_dim=16, causal=True, dropo
 @example(case=_case(shape=(1, 1)))
 @example(case=_case(shape=(2, 37), causal=False, dropout_p=0.5))  # tails of every tile
 @example(case=_case(shape=(1, 17), heads=2, head_dim=32, dropout_p=0.1, dtype=torch.float16))
+# One input feature, large rank-1 scores: on an H100 the fp32 output errs 1.43e-5 against an
+# allowed 1.31e-5 (5.3x torch's own error; the CPU interpreter passes). Open: docs/notes/attention.md.
+@example(case=_case(shape=(1, 294), in_features=1, causal=False, bias=False)).xfail(
+    DEVICE == "cuda", reason="fp32 output error over the tolerance rule on the GPU", raises=AssertionError
+)
 def test_matches_torch(case):
     result = CHECK.run(case, DEVICE)
     assert set(result.backends) == {EXPECTED_BACKEND}
