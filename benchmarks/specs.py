@@ -39,6 +39,7 @@ from lstrain.ops import (
     rope_qkv,
     rope_qkv_ref,
     rope_ref,
+    shared_input_linear,
     silu_mul,
     swiglu_mlp,
 )
@@ -358,6 +359,45 @@ def qkv_attention_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
                 same_outputs=p == 0,
             )  # fmt: skip
         )
+    return cases
+
+
+def shared_input_linear_cases(dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    cases = []
+    tokens, dim = 4 * 2048, 2048  # LLaMA-0.75B's e2e batch: q / k / v, then gate / up
+    for outs in ((dim, dim, dim), (5632, 5632)):
+        names = [f"w{i}" for i in range(len(outs))]
+
+        def make(outs=outs, names=names):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(tokens, dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            inputs = {"x": x}
+            for name, n in zip(names, outs, strict=True):
+                w = torch.randn(n, dim, device="cuda", dtype=dtype, generator=gen) * dim**-0.5
+                inputs[name] = w.requires_grad_()
+            for i, n in enumerate(outs[1:], 1):
+                inputs[f"d{i}"] = torch.randn(tokens, n, device="cuda", dtype=dtype, generator=gen)
+            return inputs
+
+        def eager(x, **tensors):  # HF's separate Linears: autograd adds their input gradients
+            weights = [tensors[k] for k in sorted(tensors) if k.startswith("w")]
+            grads = tuple(tensors[k] for k in sorted(tensors) if k.startswith("d"))
+            return _all_outputs(tuple(torch.nn.functional.linear(x, w) for w in weights), grads)
+
+        def ours(x, **tensors):
+            weights = [tensors[k] for k in sorted(tensors) if k.startswith("w")]
+            grads = tuple(tensors[k] for k in sorted(tensors) if k.startswith("d"))
+            return _all_outputs(shared_input_linear(x, weights), grads)
+
+        impls = {"lstrain": ours, "eager": eager, "torch.compile": eager}
+        element = torch.finfo(dtype).bits // 8
+        width = sum(outs)
+        # forward reads x and the weights, writes the outputs; backward reads their gradients,
+        # x and the weights, writes dx and the weights' gradients
+        min_bytes = element * (3 * tokens * dim + 3 * width * dim + 2 * tokens * width)
+        flops = 3 * 2 * tokens * dim * width
+        label = f"{tokens} x {dim} -> {' + '.join(str(n) for n in outs)}"
+        cases.append(BenchCase("shared_input_linear", label, make, ["x", *names], impls, min_bytes, flops=flops))
     return cases
 
 
@@ -791,6 +831,7 @@ REGISTRY: dict[str, Callable[[], list[BenchCase]]] = {
     "rope": rope_cases,
     "rope_qkv": rope_qkv_cases,
     "qkv_projection": qkv_projection_cases,
+    "shared_input_linear": shared_input_linear_cases,
     "qkv_attention": qkv_attention_cases,
     "silu_mul": silu_mul_cases,
     "attention_softmax": attention_softmax_cases,
@@ -991,6 +1032,7 @@ TITLES: dict[str, str] = {
     "rope": "RoPE (rotate-half) of q and k in HF's layout, bf16, forward + backward",
     "rope_qkv": "RoPE of q and k read from a packed QKV projection (GQA), bf16, forward + backward",
     "qkv_projection": "packed QKV projection (GEMM + head views), bf16, forward + backward",
+    "shared_input_linear": "projections of one input (q / k / v, gate / up), bf16, forward + backward",
     "qkv_attention": "packed QKV projection + attention (flash kernels; SDPA on head views), bf16, forward + backward",
     "silu_mul": "silu(gate) * up (SwiGLU's activation between separate GEMMs), bf16, forward + backward",
     "attention_softmax": "Attention softmax (scale + causal mask), bf16, forward + backward",
