@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import matmul_like
+from lstrain.ops._lib.layout import as_rows, matmul_like
 from lstrain.ops._lib.linear_checks import check_projection
 
 __all__ = ["LinearFunction", "linear", "linear_ref"]
@@ -38,9 +38,9 @@ class LinearFunction(torch.autograd.Function):
         refuse_create_graph("linear")
         x, weight = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        dy2d = as_rows(dy, dy.shape[-1])
         dx = (dy2d @ weight).view(x.shape) if need_x else None
-        dweight = matmul_like(dy2d.t(), x.reshape(-1, x.shape[-1]), weight) if need_weight else None
+        dweight = matmul_like(dy2d.t(), as_rows(x, x.shape[-1]), weight) if need_weight else None
         dbias = dy2d.sum(0) if need_bias and ctx.has_bias else None
         return dx, dweight, dbias
 

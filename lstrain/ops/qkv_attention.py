@@ -39,7 +39,8 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import check_seed, dropout_keep, dropout_mask_ref, dropout_scale, new_seed
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like, placeable
+from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like, placeable
+from lstrain.ops._lib.linear_checks import check_projection
 from lstrain.ops._lib.options import float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.qkv_projection import check_packed_projection
@@ -616,7 +617,7 @@ class QKVAttentionFunction(torch.autograd.Function):
         )  # fmt: skip
         dqkv = grads[0].flatten(0, 1)
         dx = (dqkv @ weight).view(x.shape) if need_x else None
-        dweight = matmul_like(dqkv.t(), x.reshape(-1, x.shape[-1]), weight) if need_weight else None
+        dweight = matmul_like(dqkv.t(), as_rows(x, x.shape[-1]), weight) if need_weight else None
         return dx, dweight, grads[1] if need_bias else None, None, None, None, None
 
 
@@ -684,6 +685,7 @@ def qkv_attention(
     p = float_option("qkv_attention", "dropout_p", dropout_p, 0, 1, high_open=True)
     check_seed("qkv_attention", seed, x.device)
     x, weight, bias = autocast_inputs(x, weight, bias)
+    check_projection("qkv_attention", "x", x, weight, bias)
     if p > 0 and seed is None:
         seed = new_seed(x.device)
     backend = _backend.backend_for(x)

@@ -27,7 +27,8 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import cdiv, grad_place, matmul_like, placeable
+from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like, placeable
+from lstrain.ops._lib.linear_checks import check_projection
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -206,7 +207,7 @@ class QKVProjectionFunction(torch.autograd.Function):
             dq, dk, dv, need_bias, ctx.bias_dtype, into=(grad_place(bias) if need_bias else None,)
         )
         dqkv = grads[0].flatten(0, 1)
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = as_rows(x, x.shape[-1])
         dx = (dqkv @ weight).view(x.shape) if need_x else None
         # in the weight's layout (a Conv1D's transposed weight too): a contiguous .grad add
         dweight = matmul_like(dqkv.t(), x2d, weight) if need_weight else None
@@ -273,6 +274,7 @@ def qkv_projection(
     """
     check_packed_projection("qkv_projection", x, weight, bias, heads)
     x, weight, bias = autocast_inputs(x, weight, bias)
+    check_projection("qkv_projection", "x", x, weight, bias)
     backend = _backend.backend_for(x)
     _backend.note("qkv_projection", backend)
     if backend == "reference" or not differentiated(x, weight, bias):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
-from lstrain.ops._lib.layout import matmul_like
+from lstrain.ops._lib.layout import as_rows, matmul_like
 from lstrain.ops._lib.linear_checks import check_projection
 
 __all__ = ["SharedInputLinearFunction", "shared_input_linear", "shared_input_linear_ref"]
@@ -43,8 +43,8 @@ class SharedInputLinearFunction(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         count = len(weights)
         need_x, need_parameters = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
-        x2d = x.reshape(-1, x.shape[-1])
-        dy2ds = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        x2d = as_rows(x, x.shape[-1])
+        dy2ds = [as_rows(dy, dy.shape[-1]) for dy in dys]
         dx = None
         if need_x:
             dx = dy2ds[0] @ weights[0]

@@ -160,14 +160,14 @@ class SiluMulLinearFunction(torch.autograd.Function):
         refuse_create_graph("silu_mul_linear")
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_weight, need_bias = ctx.needs_input_grad
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        dy2d = as_rows(dy, dy.shape[-1])
         dweight = dbias = dgate = dup = None
         if need_gate or need_up or need_weight:
             dproduct = (dy2d @ weight).view(gate.shape)
             grads = silu_mul_bwd_op(dproduct, gate, up, need_weight)
             dgate, dup = grads[0], grads[1]
             if need_weight:  # in the weight's layout: a contiguous add into .grad
-                dweight = matmul_like(dy2d.t(), grads[2].view(-1, gate.shape[-1]), weight)
+                dweight = matmul_like(dy2d.t(), as_rows(grads[2], gate.shape[-1]), weight)
         if need_bias and ctx.has_bias:
             dbias = dy2d.sum(0)
         return (dgate if need_gate else None), (dup if need_up else None), dweight, dbias

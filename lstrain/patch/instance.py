@@ -223,10 +223,11 @@ _MLP_OPS = "lstrain.ops.shared_input_linear + silu_mul_linear (its plain Linears
 
 
 def _plain_linears(*modules: torch.nn.Module) -> bool:
-    """Whether each module is a plain ``torch.nn.Linear`` without hooks, whose forward an
-    op may run from its weight and bias. Asked at every call: a module swapped or hooked
-    after ``patch`` (a LoRA adapter, a quantized layer) then runs its own forward."""
-    return all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in modules)
+    """Whether each module is a plain ``torch.nn.Linear`` without hooks or a forward of its
+    own, whose forward an op may run from its weight and bias. Asked at every call: a
+    module swapped, hooked or given an instance forward after ``patch`` (a LoRA adapter, a
+    quantized layer, accelerate's offload hooks) then runs its own forward."""
+    return all(type(m) is torch.nn.Linear and not _has_hooks(m) and "forward" not in m.__dict__ for m in modules)
 
 
 def _projections(x: torch.Tensor, *modules: torch.nn.Module) -> tuple[torch.Tensor, ...]:

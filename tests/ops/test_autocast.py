@@ -78,6 +78,16 @@ def test_linear_cross_entropy_with_fp32_weight(bias):
     assert weight.grad.dtype == torch.float32
 
 
+def test_float64_is_not_cast():
+    """torch's autocast leaves float64 alone (``F.linear`` of two float64 tensors stays
+    float64 inside it); so do the ops."""
+    x, w = torch.randn(3, 4, device=DEVICE, dtype=torch.float64), torch.randn(5, 4, device=DEVICE, dtype=torch.float64)
+    with _autocast():
+        assert torch.nn.functional.linear(x, w).dtype == torch.float64
+        assert ops.linear(x, w).dtype == torch.float64
+        assert ops.shared_input_linear(x, [w, w])[1].dtype == torch.float64
+
+
 def test_outside_autocast_nothing_is_cast():
     a = torch.randn(4, 4, device=DEVICE)
     assert ops.gemm(a, a).dtype == torch.float32

@@ -47,6 +47,16 @@ def test_matches_torch(lead, features, out, bias, transposed, dtype, seed):
         torch.testing.assert_close(mine, reference)
 
 
+@pytest.mark.parametrize(("features", "out"), [(0, 5), (4, 0)], ids=["no-input-columns", "no-output-rows"])
+def test_zero_width_gets_autograds_gradients(features, out):
+    x = torch.randn(2, 3, features, device=DEVICE, requires_grad=True)
+    weight = torch.randn(out, features, device=DEVICE, requires_grad=True)
+    expected = torch.autograd.grad(linear_ref(x, weight).sum(), [x, weight])
+    got = torch.autograd.grad(linear(x, weight).sum(), [x, weight])
+    for mine, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, reference)
+
+
 def test_no_grad_makes_no_graph():
     x = torch.randn(3, 4, device=DEVICE)
     assert linear(x, torch.randn(5, 4, device=DEVICE)).grad_fn is None

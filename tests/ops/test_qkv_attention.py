@@ -109,6 +109,18 @@ def test_no_dropout_matches_sdpa():
         torch.testing.assert_close(qkv_attention(x, weight, bias, 2, causal=causal), expected)
 
 
+def test_an_input_of_no_features_gets_autograds_gradients():
+    """x with no columns (a projection that is its bias alone): the weight's gradient has no
+    columns either, and rows of ``reshape(-1, 0)`` could not be counted."""
+    x = torch.randn(1, 5, 0, device=DEVICE, requires_grad=True)
+    weight = torch.randn(48, 0, device=DEVICE, requires_grad=True)
+    bias = torch.randn(48, device=DEVICE, requires_grad=True)
+    got = torch.autograd.grad(qkv_attention(x, weight, bias, 1).sum(), [x, weight, bias])
+    expected = torch.autograd.grad(qkv_attention_ref(x, weight, bias, 1).sum(), [x, weight, bias])
+    for mine, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, reference)
+
+
 def test_nan_in_gives_nan_out():
     x = torch.randn(1, 20, 8, device=DEVICE)
     x[0, 3, 0] = float("nan")
@@ -171,6 +183,12 @@ def test_bad_input_is_named(kwargs, match):
             dropout_p=args["dropout_p"],
             seed=args["seed"],
         )
+
+
+def test_a_weight_of_another_dtype_is_named():
+    x, weight = torch.randn(1, 4, 8, device=DEVICE), torch.randn(96, 8, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="qkv_attention: weight is torch.float16 on .*, x torch.float32"):
+        qkv_attention(x, weight, None, 2)
 
 
 def test_second_derivatives_are_refused():

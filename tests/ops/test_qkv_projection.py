@@ -145,6 +145,18 @@ def test_bad_shapes_are_named(args, match):
         qkv_projection(x, weight, bias, heads)
 
 
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_mixed_dtypes_are_named(which):
+    x, weight = torch.randn(2, 3, 4, device=DEVICE), torch.randn(6, 4, device=DEVICE)
+    bias = torch.randn(6, device=DEVICE)
+    if which == "weight":
+        weight = weight.to(torch.float16)
+    else:
+        bias = bias.to(torch.float16)
+    with pytest.raises(ValueError, match=f"qkv_projection: {which} is torch.float16 on .*, x torch.float32"):
+        qkv_projection(x, weight, bias, 1)
+
+
 def test_integer_inputs_are_refused():
     with pytest.raises(ValueError, match="x has dtype torch.int64"):
         qkv_projection(torch.ones(2, 3, 4, dtype=torch.long, device=DEVICE), torch.ones(6, 4, device=DEVICE), None, 1)

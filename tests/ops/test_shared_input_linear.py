@@ -73,6 +73,18 @@ def test_matches_torch(lead, features, outs, bias, transposed, dtype, seed):
         torch.testing.assert_close(mine, reference)
 
 
+@pytest.mark.parametrize(("features", "outs"), [(4, (0, 3)), (0, (5, 2))], ids=["no-output-rows", "no-input-columns"])
+def test_zero_width_weights_and_inputs_have_gradients(features, outs):
+    """A weight of no rows, or an input of no columns (zero elements with a zero last dim:
+    ``reshape(-1, 0)`` cannot size its rows), gets autograd's gradients."""
+    x = torch.randn(2, 3, features, device=DEVICE, requires_grad=True)
+    weights = [torch.randn(out, features, device=DEVICE, requires_grad=True) for out in outs]
+    expected = torch.autograd.grad(sum(y.sum() for y in shared_input_linear_ref(x, weights)), [x, *weights])
+    got = torch.autograd.grad(sum(y.sum() for y in shared_input_linear(x, weights)), [x, *weights])
+    for mine, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, reference)
+
+
 def test_input_gradient_is_no_worse_than_autograds():
     """Against an fp64 reference, the sum in the GEMMs is as close as autograd's sum of
     rounded products, or closer."""

@@ -420,6 +420,26 @@ def test_projections_with_hooks_run_their_own_forwards(when):
         torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
 
 
+def test_a_projection_with_a_forward_of_its_own_runs_it():
+    """A projection given an instance forward after patching (accelerate's offload and
+    device-map hooks wrap the forward so) runs that forward, not the op on its weight."""
+    model = _model("llama")
+    lstrain.patch(model)
+    k_proj = model.model.layers[0].self_attn.k_proj
+    calls = []
+
+    def wrapped(x, own=k_proj.forward):
+        calls.append(x.shape)
+        return own(x)
+
+    k_proj.forward = wrapped
+    input_ids, labels = _batch(False)
+    with _backend.record_backends() as ran:
+        _loss_and_grads(model, input_ids, labels)
+    assert len(calls) == 1
+    assert [op for op, _ in ran].count("shared_input_linear") == 2 * LAYERS - 1
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
     """The layers' norm outputs are saved as recipes (two a layer: the attention's and the

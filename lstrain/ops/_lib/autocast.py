@@ -22,8 +22,9 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
         *tensors: an op's inputs on one device; None and non-float tensors pass through.
 
     Returns:
-        The same tensors, floating-point ones in ``torch.get_autocast_dtype(device)`` when
-        ``torch.is_autocast_enabled(device)``, else unchanged (as on a device autocast does
+        The same tensors, floating-point ones other than float64 in
+        ``torch.get_autocast_dtype(device)`` when ``torch.is_autocast_enabled(device)``, else
+        unchanged (as on a device autocast does
         not support, such as meta).
     """
     device_type = next(t.device.type for t in tensors if t is not None)
@@ -33,4 +34,6 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
     if device_type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+    # as torch's autocast: float64 is not cast
+    cast = (t is not None and t.is_floating_point() and t.dtype != torch.float64 for t in tensors)
+    return tuple(t.to(dtype) if c else t for t, c in zip(tensors, cast, strict=True))
