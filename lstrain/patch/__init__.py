@@ -6,8 +6,8 @@ families are the one table in ``lstrain.patch.families``: GPT-2 (GPT2LMHeadModel
 GPT2Model), BERT (BertForMaskedLM, BertModel), LLaMA (LlamaForCausalLM, LlamaModel),
 Mistral (MistralForCausalLM, MistralModel) and Qwen2 (Qwen2ForCausalLM, Qwen2Model).
 
-Supported transformers versions: 5.x. Tested with transformers 5.24 (the CPU, Triton's
-interpreter) and 5.17 (an H200). ``patch`` checks the installed version and refuses another
+Supported transformers versions: 5.x. Tested with transformers 5.25 (the CPU, Triton's
+interpreter) and 5.17 (an H200, an H100). ``patch`` checks the installed version and refuses another
 major version with a RuntimeError (:func:`check_transformers_version`): 4.x models route
 labels, caches and attention differently, and a 6.x may again.
 """

@@ -64,8 +64,8 @@ _STATE = "_lstrain_patch"
 _LOSS_ROUTE = "torch.nn.Linear + cross-entropy on logits"
 _ROPE_ROUTE = "transformers' apply_rotary_pos_emb"
 _NORM_OUTPUT_ROUTE = "output saved for backward by its consumers"
-# The transformers major versions this module is written against (tested: 5.17 on an H200,
-# 5.24 on the CPU).
+# The transformers major versions this module is written against (tested: 5.17 on an H200 and
+# an H100, 5.25 on the CPU).
 SUPPORTED_TRANSFORMERS_MAJOR = 5
 # The names a KV cache goes by in the attention forwards of transformers 5.x.
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
@@ -540,7 +540,7 @@ def check_transformers_version(version: str | None = None) -> str:
     major = version.split(".", 1)[0]
     if not major.isdigit() or int(major) != SUPPORTED_TRANSFORMERS_MAJOR:
         raise RuntimeError(
-            f"lstrain.patch supports transformers {SUPPORTED_TRANSFORMERS_MAJOR}.x (tested with 5.17 and 5.24), "
+            f"lstrain.patch supports transformers {SUPPORTED_TRANSFORMERS_MAJOR}.x (tested with 5.17 and 5.25), "
             f"not the installed {version}: its models' forwards, losses and attention differ"
         )
     return version
