@@ -476,6 +476,11 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         model.load_state_dict(loaded.state_dict())
         del loaded
         start_step = state["step"]
+        if start_step >= training.steps:
+            raise ValueError(
+                f"--resume: {start_checkpoint} is at step {start_step}, and training.steps is {training.steps}: "
+                "nothing is left to run; raise training.steps to train on"
+            )
     stepper = _Stepper(run, model, world, accumulation)
     if state is not None:
         stepper.load_state_dict(state)
@@ -514,6 +519,18 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
             dist.all_reduce(value)
             value /= world.size
         return float(value)
+
+    # the first step whose loss was not finite on any rank (0: none yet), kept on the device
+    # so that steps between logs do not wait for the host
+    first_nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+
+    def check_finite(before: str) -> None:
+        """Raise before logging, evaluating or saving a step once any loss went NaN or inf."""
+        bad = first_nonfinite.clone()
+        if world.size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad := int(bad):
+            raise FloatingPointError(f"lstrain train: the loss is not finite at step {bad} (found before {before})")
 
     def evaluate() -> float | None:
         if run.eval.steps == 0:
@@ -567,12 +584,13 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         ]
         loss = step_fn(batches)
         done = step + 1
+        unseen = (first_nonfinite == 0) & ~torch.isfinite(loss)
+        first_nonfinite = torch.where(unseen, done, first_nonfinite)
         bar.update(1)
         interval_tokens += tokens_per_step
         if done % run.metrics.log_freq == 0 or done == training.steps:
-            value = mean_over_ranks(loss)  # the host read: only at logged steps
-            if not math.isfinite(value):
-                raise FloatingPointError(f"lstrain train: the loss is {value} at step {done}")
+            check_finite(f"logging step {done}")  # the host reads: only at logged steps
+            value = mean_over_ranks(loss)
             now = time.perf_counter()
             rate = interval_tokens / max(now - interval_start, 1e-9)
             interval_start, interval_tokens = now, 0
@@ -582,21 +600,30 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
             if log is not None:
                 log.write({"step": done, "loss": value, "lr": lr, "tokens_per_s": rate, "memory_mib": memory})
         evaluating = run.eval.freq and done % run.eval.freq == 0
+        interval = run.checkpoint.interval
+        saving = run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps)
+        if evaluating or saving or done == training.steps:
+            # the steps queued so far finish inside the interval; the pause is not timed
+            check_finite(f"evaluating or saving step {done}")
+            paused = time.perf_counter()
         if evaluating or done == training.steps:
             eval_loss = evaluate()
+            if eval_loss is not None and not math.isfinite(eval_loss):
+                raise FloatingPointError(f"lstrain train: the eval loss is {eval_loss} at step {done}")
             if log is not None and eval_loss is not None:
                 log.write({"step": done, "eval_loss": eval_loss})
                 (bar.write if progress else say)(f"step {done}: eval loss {eval_loss:.4f}")
             if log is not None:
                 plot_losses(plot_path, log.records, f"{layers} x {width} {family.label}")
-        interval = run.checkpoint.interval
-        if run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps):
+        if saving:
             if world.main or stepper.zero:  # ZeRO-1's gather is a collective: every rank joins it
                 stepper_state = stepper.state_dict()
             if world.main:
                 last_checkpoint = save(done, stepper_state)
             if world.size > 1:
                 dist.barrier()  # no rank runs ahead of a checkpoint it could be killed after
+        if evaluating or saving or done == training.steps:
+            interval_start += time.perf_counter() - paused
     bar.close()
     seconds = time.perf_counter() - started
     ran = training.steps - start_step

@@ -1,6 +1,7 @@
 """A micro run end to end, its checkpoints, and the bad input refused before any step."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -193,3 +194,36 @@ def test_zero_adamw_in_one_process_is_refused_before_any_step(tmp_path):
     with pytest.raises(ValueError, match='"zero_adamw" shards over the ranks of a torchrun job'):
         train(run, progress=False, echo=_quiet)
     assert not (tmp_path / "metrics").exists()
+
+
+def test_a_loss_gone_non_finite_between_logs_stops_the_run_before_a_checkpoint(tmp_path):
+    """Logged every 100 steps, saved every 2: the loss checked on the device every step
+    stops the run at the first save after it went NaN or inf, with nothing saved."""
+    run = micro_run(tmp_path, steps=4)
+    run.optimizer.lr = 1e36  # the first update blows the weights up
+    run.metrics.log_freq = 100
+    with pytest.raises(FloatingPointError, match=r"not finite at step 2 \(found before evaluating or saving step 2\)"):
+        train(run, progress=False, echo=_quiet)
+    assert ckpt.list_checkpoints(tmp_path / "checkpoints") == []
+
+
+def test_resuming_at_or_past_the_last_step_is_refused(tmp_path):
+    train(micro_run(tmp_path, steps=2), progress=False, echo=_quiet)
+    with pytest.raises(ValueError, match="is at step 2, and training.steps is 2: nothing is left to run"):
+        train(micro_run(tmp_path, steps=2), resume=True, progress=False, echo=_quiet)
+
+
+def test_evaluation_and_checkpoints_are_not_timed_as_training(tmp_path, monkeypatch):
+    """A slow evaluation (its loss plot made to take four seconds) leaves the next logged
+    interval's tokens/s at the steps' own rate."""
+    from lstrain.train import loop
+
+    plot = loop.plot_losses
+    monkeypatch.setattr(loop, "plot_losses", lambda *args: time.sleep(4.0) or plot(*args))
+    run = micro_run(tmp_path, steps=4)
+    run.eval.freq = 2
+    train(run, progress=False, echo=_quiet)
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    # step 3's interval follows step 2's evaluation; step 2's holds the first steps' warm-up
+    assert rates[3] > 0.4 * rates[4], rates
