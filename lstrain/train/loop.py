@@ -292,7 +292,12 @@ class _Stepper:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        # the recipe's betas, eps and weight decays hold on, as its lr (set every step) does:
+        # torch's load_state_dict would bring back the checkpoint's without a word
+        recipe = [{k: g[k] for k in ("betas", "eps", "weight_decay") if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, values in zip(self.optimizer.param_groups, recipe, strict=True):
+            group.update(values)
         if self.scaler is not None:
             if state["scaler"] is None:
                 raise ValueError("--resume: the checkpoint has no loss-scaler state (it was not an fp16 run)")
@@ -451,6 +456,13 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
     start_checkpoint, state, changed = None, None, None
     if resume:
         start_checkpoint = ckpt.find_checkpoint(folder if resume is True else resume)
+        later = [c.name for c in ckpt.list_checkpoints(folder) if c.name > start_checkpoint.name]
+        if run.checkpoint.enabled and later:
+            raise ValueError(
+                f"--resume: {folder} holds checkpoints after {start_checkpoint.name} ({', '.join(later)}), from the "
+                "run being branched from; this run's would mix with them and keep_latest_k could delete the one "
+                "resumed from: move them away, or set [checkpoint] folder to another one"
+            )
         mismatch = ckpt.model_mismatch(start_checkpoint, model_config.to_hf_dict())
         if mismatch:
             raise ValueError(f"--resume: {start_checkpoint} holds another model: {'; '.join(mismatch)}")

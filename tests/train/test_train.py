@@ -227,3 +227,33 @@ def test_evaluation_and_checkpoints_are_not_timed_as_training(tmp_path, monkeypa
     rates = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
     # step 3's interval follows step 2's evaluation; step 2's holds the first steps' warm-up
     assert rates[3] > 0.4 * rates[4], rates
+
+
+def test_resume_keeps_the_recipes_optimizer_hyperparameters(tmp_path, monkeypatch):
+    """lr follows the recipe every step; betas, eps and weight decay must too, not come back
+    from the checkpoint's optimizer state (the no-decay group keeps its 0)."""
+    from lstrain.train import loop
+
+    train(micro_run(tmp_path, steps=2), progress=False, echo=_quiet)
+    groups = []
+    load = loop._Stepper.load_state_dict
+
+    def recording_load(self, state):
+        load(self, state)
+        groups.extend({k: g[k] for k in ("betas", "eps", "weight_decay")} for g in self.optimizer.param_groups)
+
+    monkeypatch.setattr(loop._Stepper, "load_state_dict", recording_load)
+    run = micro_run(tmp_path, steps=3)
+    run.optimizer.betas, run.optimizer.eps, run.optimizer.weight_decay = (0.5, 0.6), 1e-3, 0.0
+    train(run, resume=True, progress=False, echo=_quiet)
+    assert groups == [{"betas": (0.5, 0.6), "eps": 1e-3, "weight_decay": 0.0}] * 2
+
+
+def test_resuming_behind_later_checkpoints_is_refused(tmp_path):
+    """Branching from step 2 while step 4 is in the folder would leave step 4 'latest' and
+    let keep_latest_k delete step 2."""
+    train(micro_run(tmp_path, steps=4), progress=False, echo=_quiet)
+    step2 = tmp_path / "checkpoints" / "step-00000002"
+    with pytest.raises(ValueError, match=r"checkpoints after step-00000002 \(step-00000004\)"):
+        train(micro_run(tmp_path, steps=6), resume=step2, progress=False, echo=_quiet)
+    assert [c.name for c in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-00000002", "step-00000004"]
