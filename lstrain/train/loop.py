@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import random
@@ -311,6 +313,27 @@ def _data_position(training: TrainingConfig, world_size: int, accumulation: int)
     return {"sequences_per_step": training.local_batch_size * world_size * accumulation, "seq_len": training.seq_len}
 
 
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What a resume compares of the tokenizer: its kind and special ids, and for a BPE its
+    whole tokenizer.json (a BPE trained on other text numbers its merges otherwise)."""
+    hf = getattr(tokenizer, "hf", None)
+    parts = [tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id, tokenizer.mask_id]
+    parts.append(None if hf is None else hf.to_str())
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def _resume_mismatch(state: dict, training: TrainingConfig, tokenizer: Any) -> str | None:
+    """What a checkpoint was trained with that this run would change without a word: the
+    seed (the data order and the dropout masks) or the tokenizer (what the ids mean)."""
+    seed = state["run"]["training"]["seed"]
+    if seed != training.seed:
+        return f"training.seed {seed} (this run: {training.seed}; another seed draws another data order)"
+    saved = state.get("tokenizer")  # checkpoints before it was stored are not compared
+    if saved is not None and saved != _tokenizer_fingerprint(tokenizer):
+        return "another tokenizer (this run's [data] trains or loads a different one: the ids mean other text)"
+    return None
+
+
 def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any, data: Any) -> int:
     """Everything that can be wrong before a step runs; returns the accumulation steps."""
     training = run.training
@@ -467,6 +490,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         if mismatch:
             raise ValueError(f"--resume: {start_checkpoint} holds another model: {'; '.join(mismatch)}")
         state = ckpt.load_trainer_state(start_checkpoint)
+        if (differs := _resume_mismatch(state, training, data.tokenizer)) is not None:
+            raise ValueError(f"--resume: {start_checkpoint} was trained with {differs}; resume with its settings")
         changed = ckpt.data_mismatch(state, _data_position(training, world.size, accumulation))
         if changed and not allow_batch_change:
             raise ValueError(
@@ -561,6 +586,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
             "step": step,
             "data_step": step * accumulation,
             "data": _data_position(training, world.size, accumulation),
+            "tokenizer": _tokenizer_fingerprint(data.tokenizer),
             **stepper_state,
             "scheduler": {"step": step, "total_steps": training.steps},
             "rng": _rng_state(),

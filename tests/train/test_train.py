@@ -257,3 +257,18 @@ def test_resuming_behind_later_checkpoints_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoints after step-00000002 \(step-00000004\)"):
         train(micro_run(tmp_path, steps=6), resume=step2, progress=False, echo=_quiet)
     assert [c.name for c in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-00000002", "step-00000004"]
+
+
+def test_resume_refuses_another_seed_or_tokenizer(tmp_path):
+    """Another seed draws another data order; another tokenizer (a BPE trained on other
+    text: the same vocabulary size, other merges) gives the ids other meanings."""
+    train(micro_run(tmp_path, steps=2), progress=False, echo=_quiet)
+    with pytest.raises(ValueError, match=r"was trained with training.seed 0 \(this run: 5"):
+        train(micro_run(tmp_path, steps=3, seed=5), resume=True, progress=False, echo=_quiet)
+    (saved,) = ckpt.list_checkpoints(tmp_path / "checkpoints")
+    state = torch.load(saved / ckpt.TRAINER_FILE, weights_only=False)
+    assert len(state["tokenizer"]) == 64  # a sha256 of the tokenizer
+    state["tokenizer"] = "0" * 64
+    torch.save(state, saved / ckpt.TRAINER_FILE)
+    with pytest.raises(ValueError, match="was trained with another tokenizer"):
+        train(micro_run(tmp_path, steps=3), resume=True, progress=False, echo=_quiet)
