@@ -44,7 +44,9 @@ __all__ = ["Summary", "train"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CAPTURE_WARMUP = 3  # eager steps on a side stream before a capture, as torch's CUDA-graph docs do
 # dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s), by a device-name fragment: MFU's denominator
-_PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+# dense bf16 datasheet peaks by device-name fragment, the more specific first (an H100 PCIe or
+# NVL runs at lower clocks and power than the SXM part the plain "H100" stands for)
+_PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.5, "H100 NVL": 835.5, "H100": 989.4, "A100": 312.0}
 
 
 @dataclass

@@ -272,3 +272,14 @@ def test_resume_refuses_another_seed_or_tokenizer(tmp_path):
     torch.save(state, saved / ckpt.TRAINER_FILE)
     with pytest.raises(ValueError, match="was trained with another tokenizer"):
         train(micro_run(tmp_path, steps=3), resume=True, progress=False, echo=_quiet)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 NVL", 835.5), ("NVIDIA H200", 989.4)],
+)
+def test_mfu_uses_the_devices_own_peak(monkeypatch, name, peak):
+    from lstrain.train import loop
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert loop._mfu(peak / 2, torch.device("cuda"), 1) == pytest.approx(0.5)
