@@ -379,17 +379,19 @@ def shared_input_linear_cases(dtype: torch.dtype = torch.bfloat16) -> list[Bench
                 inputs[f"d{i}"] = torch.randn(tokens, n, device="cuda", dtype=dtype, generator=gen)
             return inputs
 
-        def eager(x, **tensors):  # HF's separate Linears: autograd adds their input gradients
-            weights = [tensors[k] for k in sorted(tensors) if k.startswith("w")]
-            grads = tuple(tensors[k] for k in sorted(tensors) if k.startswith("d"))
-            return _all_outputs(tuple(torch.nn.functional.linear(x, w) for w in weights), grads)
+        def projecting(project):
+            """An implementation: ``project(x, weights)``, every output's gradient given."""
 
-        def ours(x, **tensors):
-            weights = [tensors[k] for k in sorted(tensors) if k.startswith("w")]
-            grads = tuple(tensors[k] for k in sorted(tensors) if k.startswith("d"))
-            return _all_outputs(shared_input_linear(x, weights), grads)
+            def run(x, **tensors):
+                weights = [tensors[k] for k in sorted(tensors) if k.startswith("w")]
+                grads = tuple(tensors[k] for k in sorted(tensors) if k.startswith("d"))
+                return _all_outputs(project(x, weights), grads)
 
-        impls = {"lstrain": ours, "eager": eager, "torch.compile": eager}
+            return run
+
+        # eager: HF's separate Linears, whose input gradients autograd adds
+        eager = projecting(lambda x, weights: tuple(torch.nn.functional.linear(x, w) for w in weights))
+        impls = {"lstrain": projecting(shared_input_linear), "eager": eager, "torch.compile": eager}
         element = torch.finfo(dtype).bits // 8
         width = sum(outs)
         # forward reads x and the weights, writes the outputs; backward reads their gradients,

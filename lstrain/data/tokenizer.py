@@ -8,6 +8,8 @@ is any id from 3 up.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -91,6 +93,15 @@ class Tokenizer:
         """
         raise NotImplementedError
 
+    def fingerprint(self) -> str:
+        """A sha256 of what the ids mean: the kind, the vocabulary size and the special ids
+        (a BPE adds its tokenizer.json: trained on other text, it numbers its merges
+        otherwise). What a resumed training run compares."""
+        return hashlib.sha256(json.dumps(self._identity()).encode()).hexdigest()
+
+    def _identity(self) -> list:
+        return [self.kind, self.vocab_size, self.eos_id, self.pad_id, self.mask_id]
+
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -168,6 +179,9 @@ class BPETokenizer(Tokenizer):
     def save(self, path: str | Path) -> None:
         """Write the tokenizer.json to ``path``."""
         self.hf.save(str(path))
+
+    def _identity(self) -> list:
+        return [*super()._identity(), self.hf.to_str()]
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids

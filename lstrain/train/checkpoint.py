@@ -30,6 +30,7 @@ __all__ = [
     "load_trainer_state",
     "model_mismatch",
     "remove_partial_writes",
+    "run_mismatch",
     "save_checkpoint",
 ]
 
@@ -205,3 +206,25 @@ def data_mismatch(state: dict[str, Any], position: dict[str, int]) -> str | None
         f"{position['sequences_per_step']} and {position['seq_len']}; sequences_per_step = local_batch_size x "
         "ranks x gradient_accumulation_steps)"
     )
+
+
+def run_mismatch(state: dict[str, Any], seed: int, tokenizer_fingerprint: str) -> str | None:
+    """What a checkpoint was trained with that a resumed run would change without a word:
+    the seed (the data order and the dropout masks) or the tokenizer (what the ids mean).
+
+    Args:
+        state: the checkpoint's trainer state (:func:`load_trainer_state`).
+        seed: the run's ``training.seed``.
+        tokenizer_fingerprint: the run's tokenizer's ``fingerprint()``.
+
+    Returns:
+        What differs, or None. A checkpoint written before the trainer state held the
+        tokenizer's fingerprint is compared by its seed only.
+    """
+    saved_seed = state["run"]["training"]["seed"]
+    if saved_seed != seed:
+        return f"training.seed {saved_seed} (this run: {seed}; another seed draws another data order)"
+    saved = state.get("tokenizer")
+    if saved is not None and saved != tokenizer_fingerprint:
+        return "another tokenizer (this run's [data] trains or loads a different one: the ids mean other text)"
+    return None

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import random
@@ -43,9 +41,8 @@ __all__ = ["Summary", "train"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CAPTURE_WARMUP = 3  # eager steps on a side stream before a capture, as torch's CUDA-graph docs do
-# dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s), by a device-name fragment: MFU's denominator
-# dense bf16 datasheet peaks by device-name fragment, the more specific first (an H100 PCIe or
-# NVL runs at lower clocks and power than the SXM part the plain "H100" stands for)
+# dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s), by a device-name fragment, the
+# more specific first (an H100 PCIe or NVL has a lower peak than the SXM part): MFU's denominator
 _PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.5, "H100 NVL": 835.5, "H100": 989.4, "A100": 312.0}
 
 
@@ -315,27 +312,6 @@ def _data_position(training: TrainingConfig, world_size: int, accumulation: int)
     return {"sequences_per_step": training.local_batch_size * world_size * accumulation, "seq_len": training.seq_len}
 
 
-def _tokenizer_fingerprint(tokenizer: Any) -> str:
-    """What a resume compares of the tokenizer: its kind and special ids, and for a BPE its
-    whole tokenizer.json (a BPE trained on other text numbers its merges otherwise)."""
-    hf = getattr(tokenizer, "hf", None)
-    parts = [tokenizer.kind, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id, tokenizer.mask_id]
-    parts.append(None if hf is None else hf.to_str())
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-def _resume_mismatch(state: dict, training: TrainingConfig, tokenizer: Any) -> str | None:
-    """What a checkpoint was trained with that this run would change without a word: the
-    seed (the data order and the dropout masks) or the tokenizer (what the ids mean)."""
-    seed = state["run"]["training"]["seed"]
-    if seed != training.seed:
-        return f"training.seed {seed} (this run: {training.seed}; another seed draws another data order)"
-    saved = state.get("tokenizer")  # checkpoints before it was stored are not compared
-    if saved is not None and saved != _tokenizer_fingerprint(tokenizer):
-        return "another tokenizer (this run's [data] trains or loads a different one: the ids mean other text)"
-    return None
-
-
 def _check_run(run: RunConfig, world: _World, family: Family, model_config: Any, data: Any) -> int:
     """Everything that can be wrong before a step runs; returns the accumulation steps."""
     training = run.training
@@ -492,7 +468,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         if mismatch:
             raise ValueError(f"--resume: {start_checkpoint} holds another model: {'; '.join(mismatch)}")
         state = ckpt.load_trainer_state(start_checkpoint)
-        if (differs := _resume_mismatch(state, training, data.tokenizer)) is not None:
+        if (differs := ckpt.run_mismatch(state, training.seed, data.tokenizer.fingerprint())) is not None:
             raise ValueError(f"--resume: {start_checkpoint} was trained with {differs}; resume with its settings")
         changed = ckpt.data_mismatch(state, _data_position(training, world.size, accumulation))
         if changed and not allow_batch_change:
@@ -588,7 +564,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
             "step": step,
             "data_step": step * accumulation,
             "data": _data_position(training, world.size, accumulation),
-            "tokenizer": _tokenizer_fingerprint(data.tokenizer),
+            "tokenizer": data.tokenizer.fingerprint(),
             **stepper_state,
             "scheduler": {"step": step, "total_steps": training.steps},
             "rng": _rng_state(),
@@ -642,7 +618,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         evaluating = run.eval.freq and done % run.eval.freq == 0
         interval = run.checkpoint.interval
         saving = run.checkpoint.enabled and ((interval and done % interval == 0) or done == training.steps)
-        if evaluating or saving or done == training.steps:
+        pausing = evaluating or saving or done == training.steps
+        if pausing:
             # the steps queued so far finish inside the interval; the pause is not timed
             check_finite(f"evaluating or saving step {done}")
             paused = time.perf_counter()
@@ -662,7 +639,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
                 last_checkpoint = save(done, stepper_state)
             if world.size > 1:
                 dist.barrier()  # no rank runs ahead of a checkpoint it could be killed after
-        if evaluating or saving or done == training.steps:
+        if pausing:
             interval_start += time.perf_counter() - paused
     bar.close()
     seconds = time.perf_counter() - started

@@ -55,6 +55,20 @@ def test_decode_refuses_an_id_outside_the_vocabulary(bad):
         ByteTokenizer().decode([5, bad])
 
 
+def test_the_fingerprint_tells_bpes_trained_on_other_text_apart(tmp_path):
+    """Two BPEs of one vocabulary size trained on other text number their merges otherwise:
+    their fingerprints differ; the same BPE saved and loaded again keeps its own."""
+    from lstrain.data.tokenizer import BPETokenizer
+
+    first = train_bpe(["the cat sat on the mat " * 50], MIN_BPE_VOCAB + 8)
+    second = train_bpe(["a dog ran to a log " * 50], MIN_BPE_VOCAB + 8)
+    assert first.vocab_size == second.vocab_size
+    assert first.fingerprint() != second.fingerprint()
+    first.save(tmp_path / "tokenizer.json")
+    assert BPETokenizer.from_file(tmp_path / "tokenizer.json").fingerprint() == first.fingerprint()
+    assert ByteTokenizer().fingerprint() == ByteTokenizer().fingerprint() != first.fingerprint()
+
+
 def test_train_bpe_refuses_a_vocabulary_without_room_for_the_bytes():
     with pytest.raises(ValueError, match="vocab_size: 258 is below 259"):
         train_bpe(["text"], 258)

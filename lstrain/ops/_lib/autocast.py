@@ -24,8 +24,7 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
     Returns:
         The same tensors, floating-point ones other than float64 in
         ``torch.get_autocast_dtype(device)`` when ``torch.is_autocast_enabled(device)``, else
-        unchanged (as on a device autocast does
-        not support, such as meta).
+        unchanged (as on a device autocast does not support, such as meta).
     """
     device_type = next(t.device.type for t in tensors if t is not None)
     # Autocast knows cpu, cuda and a few others; a device it does not (meta) makes
