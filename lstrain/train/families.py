@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lstrain.data import IGNORE_INDEX
 from lstrain.models import GPT2, BertConfig, BertForMaskedLM, GPT2Config, Llama, LlamaConfig
 
 __all__ = ["FAMILIES", "Family"]
@@ -41,6 +42,8 @@ class Family:
         positions_field: the config field that bounds seq_len (the position table's rows).
         shape_fields: the config fields of (layers, width), for messages.
         inputs: a data batch (``TokenStream.batch``'s dict) -> the model's keyword arguments.
+        loss_tokens: the model's keyword arguments -> how many tokens its loss is the mean
+            over (an int64 device scalar): gradient accumulation weighs micro-batches by it.
         flop_params: config -> N of ``6 N``: the non-embedding parameters plus the LM head's
             ``V x D`` (a GEMM, tied or not); BERT's MLM head is ``head_params`` instead.
         generates: whether ``[sample]`` can continue a prompt (causal families).
@@ -58,6 +61,7 @@ class Family:
     positions_field: str
     shape_fields: tuple[str, str]
     inputs: Callable[[Batch], Batch]
+    loss_tokens: Callable[[Batch], torch.Tensor]
     flop_params: Callable[[Any], int]
     generates: bool
     head_params: Callable[[Any], int] | None = None
@@ -120,6 +124,12 @@ def _causal_lm_inputs(batch: Batch) -> Batch:
     return out
 
 
+def _causal_lm_tokens(inputs: Batch) -> torch.Tensor:
+    """The labels the model's loss counts: all but the first of each row (the model shifts
+    them), less the ignored ones."""
+    return (inputs["labels"][..., 1:] != IGNORE_INDEX).sum()
+
+
 def _bert_params(config: BertConfig) -> int:
     d, ffn = config.hidden_size, config.intermediate_size
     return config.num_hidden_layers * (4 * d * d + 2 * d * ffn + ffn + 9 * d) + 2 * d  # + embeddings' LayerNorm
@@ -143,6 +153,11 @@ def _bert_inputs(batch: Batch) -> Batch:
     return out
 
 
+def _masked_lm_tokens(inputs: Batch) -> torch.Tensor:
+    """The masked positions the model's loss counts (the full labels' or the fixed-size ones')."""
+    return (inputs["labels"] != IGNORE_INDEX).sum()
+
+
 def _llama_params(config: LlamaConfig) -> int:
     d = config.hidden_size
     head_dim = config.head_dim or d // config.num_attention_heads
@@ -164,6 +179,7 @@ FAMILIES: dict[str, Family] = {
         positions_field="n_positions",
         shape_fields=("n_layer", "n_embd"),
         inputs=_causal_lm_inputs,
+        loss_tokens=_causal_lm_tokens,
         flop_params=_gpt2_params,
         generates=True,
     ),
@@ -178,6 +194,7 @@ FAMILIES: dict[str, Family] = {
         positions_field="max_position_embeddings",
         shape_fields=("num_hidden_layers", "hidden_size"),
         inputs=_bert_inputs,
+        loss_tokens=_masked_lm_tokens,
         flop_params=_bert_params,
         generates=False,
         head_params=_bert_head_params,
@@ -193,6 +210,7 @@ FAMILIES: dict[str, Family] = {
         positions_field="max_position_embeddings",
         shape_fields=("num_hidden_layers", "hidden_size"),
         inputs=_causal_lm_inputs,  # HF's label shift is inside the model, as in GPT-2
+        loss_tokens=_causal_lm_tokens,
         flop_params=_llama_params,
         generates=True,
     ),

@@ -186,8 +186,16 @@ class _Stepper:
     optimizer state has torch's layout either way.
     """
 
-    def __init__(self, run: RunConfig, model: torch.nn.Module, world: _World, accumulation: int) -> None:
+    def __init__(
+        self,
+        run: RunConfig,
+        model: torch.nn.Module,
+        world: _World,
+        accumulation: int,
+        loss_tokens: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    ) -> None:
         self.run, self.model, self.world, self.accumulation = run, model, world, accumulation
+        self.loss_tokens = loss_tokens
         training = run.training
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -242,19 +250,29 @@ class _Stepper:
     def eager(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One step on ``batches`` (one per micro-batch, on the device).
 
+        The step's loss is the mean over all its loss tokens, on every rank (as one batch of
+        them all would give; HF's ``num_items_in_batch``): each micro-batch's mean loss is
+        weighed by its share of the tokens, not by 1 / micro-batches.
+
         Returns:
-            The mean micro-batch loss of this rank, a detached device scalar.
+            This rank's part of the step's loss, times the ranks: the mean over ranks is the
+            step's loss (a detached device scalar).
         """
         self._zero_grad()
+        counts = torch.stack([self.loss_tokens(batch) for batch in batches]).float()
+        everyone = counts.sum()
+        if self.world.size > 1:  # the gradients are averaged over ranks: weigh by the global count
+            dist.all_reduce(everyone)
+        weights = counts * self.world.size / everyone
         total = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for number, batch in enumerate(batches):
             # only the last micro-batch's backward reduces (the buckets overlap it)
             local = self.ddp is not None and number < len(batches) - 1
             with self.ddp.no_sync() if local else contextlib.nullcontext():
                 loss = self.forward(**batch).loss
-                scaled = loss / self.accumulation
+                scaled = loss.float() * weights[number]
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.detach().float()
+            total += loss.detach().float() * weights[number]
         if self.ddp is not None:
             self.ddp.finish()
         if self.scaler is not None:
@@ -264,7 +282,7 @@ class _Stepper:
             if not self.fused and self.max_norm is not None:
                 self._clip()
             self.optimizer.step()
-        return total / self.accumulation
+        return total
 
     def captured(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The step replayed from one CUDA graph (:class:`lstrain.train.CapturedStep`,
@@ -272,7 +290,7 @@ class _Stepper:
         scaler and RNG).
 
         Returns:
-            The step's mean micro-batch loss (a copy: the next replay overwrites it).
+            What :meth:`eager` returns (a copy: the next replay overwrites it).
 
         Raises:
             ValueError: a batch has padding (the static inputs have no attention mask).
@@ -496,7 +514,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
                 f"--resume: {start_checkpoint} is at step {start_step}, and training.steps is {training.steps}: "
                 "nothing is left to run; raise training.steps to train on"
             )
-    stepper = _Stepper(run, model, world, accumulation)
+    stepper = _Stepper(run, model, world, accumulation, family.loss_tokens)
     if state is not None:
         stepper.load_state_dict(state)
         _set_rng_state(state["rng"])
@@ -551,13 +569,17 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         if run.eval.steps == 0:
             return None
         model.eval()
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        # the mean over every evaluated token, as training's step loss is
+        sums = torch.zeros(2, dtype=torch.float32, device=device)
         with torch.no_grad():
             for i in range(run.eval.steps):
                 batch = inputs(data.val.batch(i, local, rank=world.rank, world_size=world.size))
-                total += model(**batch).loss.float()
+                count = family.loss_tokens(batch).float()
+                sums += torch.stack([model(**batch).loss.float() * count, count])
         model.train()
-        return mean_over_ranks(total / run.eval.steps)
+        if world.size > 1:
+            dist.all_reduce(sums)
+        return float(sums[0] / sums[1])
 
     def save(step: int, stepper_state: dict) -> Path:
         state = {

@@ -175,3 +175,18 @@ def test_captured_bert_steps_are_the_eager_steps_on_the_gpu(tmp_path, precision)
     assert losses[-1] < losses[0]
     for step, loss in eager.losses.items():
         assert captured.losses[step] == pytest.approx(loss, rel=2e-2 if precision != "fp32" else 1e-4)
+
+
+def test_gradient_accumulation_weighs_every_masked_token_alike(tmp_path):
+    """Micro-batches mask different numbers of tokens: the accumulated step is the mean over
+    all of the step's masked tokens, as the whole batch's is (not a mean of the
+    micro-batches' means, which weighs a token of a sparsely masked micro-batch more)."""
+    kwargs = {"steps": 2, "dropout": 0.0, "max_predictions": None}  # HF's masking: a count per row drawn
+    whole = train(micro_bert_run(tmp_path / "whole", local_batch_size=4, **kwargs), progress=False, echo=_quiet)
+    run = micro_bert_run(tmp_path / "accumulated", local_batch_size=1, global_batch_size=4, **kwargs)
+    assert run.training.accumulation(world_size=1) == 4
+    accumulated = train(run, progress=False, echo=_quiet)
+    for step, loss in whole.losses.items():
+        assert accumulated.losses[step] == pytest.approx(loss, rel=1e-5)
+    for (key, a), b in zip(whole.model.state_dict().items(), accumulated.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=key)

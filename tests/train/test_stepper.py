@@ -9,6 +9,7 @@ from lstrain import _backend
 from lstrain.data import build_data
 from lstrain.models import GPT2
 from lstrain.train.capture import rewind, snapshot
+from lstrain.train.families import FAMILIES
 from lstrain.train.loop import _optimizer_label, _Stepper, _to_device, _World
 from tests.train.helpers import micro_run
 
@@ -16,11 +17,13 @@ pytestmark = pytest.mark.skipif(
     not _backend.interpreter_active(), reason="FusedAdamW on the CPU needs the Triton interpreter: a CPU-only run"
 )
 
+GPT2_TOKENS = FAMILIES["gpt2"].loss_tokens
+
 
 def _stepper(run):
     torch.manual_seed(0)
     model = GPT2(run.model.build(259)).train()
-    return _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), accumulation=2)
+    return _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), 2, GPT2_TOKENS)
 
 
 def test_warm_up_steps_are_undone_before_the_capture(tmp_path):
@@ -49,7 +52,7 @@ def test_the_optimizer_section_can_drop_master_weights(tmp_path, monkeypatch):
     run.optimizer = dataclasses.replace(run.optimizer, master_weights=False, state_dtype="bfloat16")
     torch.manual_seed(0)
     model = GPT2(run.model.build(259)).to(torch.bfloat16).train()
-    stepper = _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), accumulation=1)
+    stepper = _Stepper(run, model, _World(0, 1, torch.device("cpu"), False), 1, GPT2_TOKENS)
     assert stepper.optimizer.master_weights is False and stepper.optimizer.state_dtype == torch.bfloat16
     assert _optimizer_label(stepper) == "FusedAdamW (no master weights, bfloat16 moments, rounded stochastically)"
     data = build_data(run.data, seq_len=32, seed=0)
@@ -60,4 +63,4 @@ def test_the_optimizer_section_can_drop_master_weights(tmp_path, monkeypatch):
     # where torch's AdamW would stand in (no CUDA, no interpreter), it would round to nearest: refused
     monkeypatch.setattr(_backend, "interpreter_active", lambda: False)
     with pytest.raises(ValueError, match="round stochastically in lstrain's FusedAdamW"):
-        _Stepper(run, GPT2(run.model.build(259)), _World(0, 1, torch.device("cpu"), False), accumulation=1)
+        _Stepper(run, GPT2(run.model.build(259)), _World(0, 1, torch.device("cpu"), False), 1, GPT2_TOKENS)
