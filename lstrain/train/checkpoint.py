@@ -135,16 +135,24 @@ def save_checkpoint(folder: str | Path, step: int, model: torch.nn.Module, state
 
 
 def remove_partial_writes(folder: str | Path) -> None:
-    """Delete temporary directories that a killed run left in ``folder``.
+    """Delete temporary directories that a killed run left in ``folder``; a checkpoint a run
+    was killed while replacing (moved aside, its successor not yet in place) is put back.
 
     Args:
         folder: the checkpoint folder.
     """
     folder = Path(folder)
-    if folder.is_dir():
-        for child in folder.iterdir():
-            if child.name.startswith(_TEMP_PREFIX) and child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
+    if not folder.is_dir():
+        return
+    moved_aside = f"{_TEMP_PREFIX}old-"
+    for child in sorted(folder.iterdir()):
+        if child.name.startswith(moved_aside) and child.is_dir():
+            final = folder / child.name[len(moved_aside) :].rsplit("-", 1)[0]
+            if not final.exists():
+                os.rename(child, final)
+    for child in folder.iterdir():
+        if child.name.startswith(_TEMP_PREFIX) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """A micro run end to end, its checkpoints, and the bad input refused before any step."""
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +128,29 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]  # no step-2, no temporary directory
     assert {p.name: p.read_bytes() for p in first.iterdir()} == files
     assert ckpt.find_checkpoint(tmp_path) == first
+
+
+def test_a_run_killed_while_replacing_a_checkpoint_gets_it_back(tmp_path, monkeypatch):
+    """Saving a step again moves the old directory aside, then renames the new one in: a
+    kill between the two renames must not cost the checkpoint at the next start."""
+    model = GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, fused=False))
+    first = ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, keep=1)
+    files = {p.name: p.read_bytes() for p in first.iterdir()}
+    rename = os.rename
+
+    def killed_after_moving_aside(src, dst):
+        if Path(src).name.startswith(".tmp-step-"):
+            raise KeyboardInterrupt  # the kill, between the two renames
+        rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", killed_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 1, model, {"step": 1}, keep=1)
+    monkeypatch.undo()
+    assert not first.exists()
+    ckpt.remove_partial_writes(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == files
 
 
 def test_only_the_latest_k_checkpoints_are_kept(tmp_path):
