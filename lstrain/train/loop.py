@@ -529,6 +529,11 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         f"({'lstrain kernels' if model_config.fused else 'plain-PyTorch model'}, "
         f"{_optimizer_label(stepper)}, {training.mixed_precision})"
     )
+    if run.lr_scheduler.warmup_steps >= training.steps:
+        say(
+            f"note: [lr_scheduler] warmup_steps {run.lr_scheduler.warmup_steps} >= [training] steps "
+            f"{training.steps}: the learning rate rises for the whole run and never reaches {run.optimizer.lr:g}"
+        )
     if start_checkpoint is not None:
         say(f"resuming from {start_checkpoint} (step {start_step})")
         if changed:

@@ -308,3 +308,11 @@ def test_mfu_uses_the_devices_own_peak(monkeypatch, name, peak):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert loop._mfu(peak / 2, torch.device("cuda"), 1) == pytest.approx(0.5)
+
+
+def test_a_warmup_longer_than_the_run_is_said(tmp_path):
+    run = micro_run(tmp_path, steps=2)
+    run.lr_scheduler.warmup_steps = 5
+    lines = []
+    train(run, progress=False, echo=lines.append)
+    assert any("warmup_steps 5 >= [training] steps 2: the learning rate rises" in line for line in lines)
