@@ -137,6 +137,7 @@ def save_checkpoint(folder: str | Path, step: int, model: torch.nn.Module, state
 def remove_partial_writes(folder: str | Path) -> None:
     """Delete temporary directories that a killed run left in ``folder``; a checkpoint a run
     was killed while replacing (moved aside, its successor not yet in place) is put back.
+    Call it before looking for checkpoints, and not while another run saves into ``folder``.
 
     Args:
         folder: the checkpoint folder.
@@ -145,11 +146,16 @@ def remove_partial_writes(folder: str | Path) -> None:
     if not folder.is_dir():
         return
     moved_aside = f"{_TEMP_PREFIX}old-"
+    restored = False
     for child in sorted(folder.iterdir()):
         if child.name.startswith(moved_aside) and child.is_dir():
-            final = folder / child.name[len(moved_aside) :].rsplit("-", 1)[0]
-            if not final.exists():
+            name, _, pid = child.name[len(moved_aside) :].rpartition("-")
+            final = folder / name
+            if _STEP_DIR.match(name) and pid.isdigit() and not final.exists():
                 os.rename(child, final)
+                restored = True
+    if restored:
+        _fsync_path(folder)
     for child in folder.iterdir():
         if child.name.startswith(_TEMP_PREFIX) and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)

@@ -259,20 +259,21 @@ class _Stepper:
             step's loss (a detached device scalar).
         """
         self._zero_grad()
-        counts = torch.stack([self.loss_tokens(batch) for batch in batches]).float()
+        counts = torch.stack([self.loss_tokens(batch) for batch in batches]).double()
         everyone = counts.sum()
         if self.world.size > 1:  # the gradients are averaged over ranks: weigh by the global count
             dist.all_reduce(everyone)
-        weights = counts * self.world.size / everyone
+        weights = (counts * self.world.size / everyone).float()
         total = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for number, batch in enumerate(batches):
             # only the last micro-batch's backward reduces (the buckets overlap it)
             local = self.ddp is not None and number < len(batches) - 1
             with self.ddp.no_sync() if local else contextlib.nullcontext():
-                loss = self.forward(**batch).loss
-                scaled = loss.float() * weights[number]
+                # a micro-batch without loss tokens (its mean NaN) weighs nothing
+                loss = torch.where(counts[number] > 0, self.forward(**batch).loss.float(), 0.0)
+                scaled = loss * weights[number]
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.detach().float() * weights[number]
+            total += loss.detach() * weights[number]
         if self.ddp is not None:
             self.ddp.finish()
         if self.scaler is not None:
@@ -473,6 +474,12 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
     dtype = _DTYPES[training.mixed_precision]
     folder = Path(run.checkpoint.folder)
     start_checkpoint, state, changed = None, None, None
+    if world.main and (run.checkpoint.enabled or resume is True):
+        # before any checkpoint is looked for: a killed re-save's moved-aside directory is
+        # put back first, so that resume and the checks below see it
+        ckpt.remove_partial_writes(folder)
+    if world.size > 1:
+        dist.barrier()
     if resume:
         start_checkpoint = ckpt.find_checkpoint(folder if resume is True else resume)
         later = [c.name for c in ckpt.list_checkpoints(folder) if c.name > start_checkpoint.name]
@@ -541,8 +548,6 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
 
     log = None
     if world.main:
-        if run.checkpoint.enabled:
-            ckpt.remove_partial_writes(folder)
         log = MetricsLog(run.metrics.folder, resume_step=start_step if start_checkpoint is not None else None)
         if start_checkpoint is None:
             log.write({"step": 0, "run": run.to_dict(), "parameters": parameters, "world_size": world.size})
@@ -580,7 +585,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
             for i in range(run.eval.steps):
                 batch = inputs(data.val.batch(i, local, rank=world.rank, world_size=world.size))
                 count = family.loss_tokens(batch).float()
-                sums += torch.stack([model(**batch).loss.float() * count, count])
+                loss = torch.where(count > 0, model(**batch).loss.float(), 0.0)  # none: NaN, weighs nothing
+                sums += torch.stack([loss * count, count])
         model.train()
         if world.size > 1:
             dist.all_reduce(sums)

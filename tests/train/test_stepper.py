@@ -64,3 +64,19 @@ def test_the_optimizer_section_can_drop_master_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(_backend, "interpreter_active", lambda: False)
     with pytest.raises(ValueError, match="round stochastically in lstrain's FusedAdamW"):
         _Stepper(run, GPT2(run.model.build(259)), _World(0, 1, torch.device("cpu"), False), 1, GPT2_TOKENS)
+
+
+def test_a_micro_batch_without_loss_tokens_weighs_nothing(tmp_path):
+    """Its mean loss is NaN (0 / 0): the step is the other micro-batches' alone, not NaN."""
+    run = micro_run(tmp_path, steps=2, dropout=0.0)
+    data = build_data(run.data, seq_len=32, seed=0)
+    batch = _to_device(data.train.batch(0, 2), torch.device("cpu"))
+    ignored = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    torch.manual_seed(0)
+    alone = _Stepper(run, GPT2(run.model.build(259)).train(), _World(0, 1, torch.device("cpu"), False), 1, GPT2_TOKENS)
+    paired = _stepper(run)
+    expected = alone.eager([batch])
+    got = paired.eager([batch, ignored])
+    assert torch.isfinite(got) and got == pytest.approx(float(expected), rel=1e-6)
+    for (key, a), b in zip(alone.model.state_dict().items(), paired.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=key)

@@ -153,6 +153,14 @@ def test_a_run_killed_while_replacing_a_checkpoint_gets_it_back(tmp_path, monkey
     assert {p.name: p.read_bytes() for p in first.iterdir()} == files
 
 
+def test_resume_finds_a_checkpoint_a_killed_re_save_moved_aside(tmp_path):
+    first = train(micro_run(tmp_path, steps=2), progress=False, echo=_quiet)
+    aside = tmp_path / "checkpoints" / ".tmp-old-step-00000002-4242"
+    os.rename(first.checkpoint, aside)  # as a kill between save_checkpoint's two renames leaves it
+    resumed = train(micro_run(tmp_path, steps=3), resume=True, progress=False, echo=_quiet)
+    assert list(resumed.losses) == [3] and not aside.exists()
+
+
 def test_only_the_latest_k_checkpoints_are_kept(tmp_path):
     model = GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, fused=False))
     for step in (1, 2, 3, 10):
