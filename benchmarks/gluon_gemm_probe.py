@@ -358,7 +358,7 @@ def _check() -> None:
 def _time() -> None:
     """GPU times (CUDA graphs) against cuBLAS, and the epilogues against lstrain's present path
     (cuBLAS + ``bias_act_dropout``), at GPT-2 medium's and LLaMA-0.75B's MLP shapes."""
-    from triton.testing import do_bench_cudagraph
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from lstrain.ops import bias_act_dropout, linear
 
@@ -386,7 +386,9 @@ def _time() -> None:
             bias = b.clone().requires_grad_()
             out = bias_act_dropout(pre, bias, activation="gelu_tanh")
             dh = torch.randn_like(out)
-            backward = do_bench_cudagraph(
+            # autograd's engine cannot run under a capture on the side stream of do_bench_cudagraph:
+            # plain do_bench, whose back-to-back calls keep the GPU ahead of the host
+            backward = do_bench(
                 lambda out=out, pre=pre, bias=bias, dh=dh: torch.autograd.grad(out, (pre, bias), dh, retain_graph=True)
             )
             fused = do_bench_cudagraph(functools.partial(ws_gemm, x, w, pre=pre.detach()))
