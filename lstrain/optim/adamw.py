@@ -197,9 +197,16 @@ class FusedAdamW(FlatOptimizer):
     own step count, as in torch; others are left alone (weight decay and moments
     included). This optimizer's :meth:`zero_grad` zeroes the buffers in place and keeps
     the ``.grad`` views, so a trainable parameter that backward gives no gradient then
-    takes the step with a zero gradient (torch's ``zero_grad(set_to_none=False)``);
+    takes the step with a zero gradient (torch's ``zero_grad(set_to_none=False)``), and so
+    does one that never had a gradient, whose ``.grad`` is its zero view from the start
+    (weight decay shrinks it): ``zero_grad(set_to_none=True)`` skips it, as torch does.
     ``model.zero_grad()`` and ``zero_grad(set_to_none=True)`` work too, at the cost of one
-    copy of each new gradient into the flat buffer in ``step()``. The state (``state_dict``)
+    copy of each new gradient into the flat buffer in ``step()``. With master weights,
+    write parameters in place as torch does (``model.load_state_dict``, ``p.copy_`` under
+    ``torch.no_grad()``), before or after loading the optimizer's state: each fp32 master
+    follows its parameter where they differ. A write through ``.data`` is the exception: it
+    has its own version counter, invisible here, and the next step writes the old weight
+    back. The state (``state_dict``)
     is torch's, so that ``torch.optim.AdamW`` loads it and this class loads torch's.
 
     Raises:

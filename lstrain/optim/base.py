@@ -10,8 +10,9 @@ gradient buffer, ``flat_grads=False``, each ``.grad``'s address goes into the ta
 kernels read instead: :class:`GradTable`); a parameter
 whose ``.grad`` is None or that no longer requires grad is skipped as torch's optimizers
 skip a parameter without a gradient; a parameter moved, cast
-or re-pointed since the optimizer was built is an error; a 16-bit parameter written in place
-from outside (``model.load_state_dict``) re-seeds its fp32 master copy.
+or re-pointed since the optimizer was built is an error; where a 16-bit parameter was written
+in place from outside (``model.load_state_dict``, before or after the optimizer's), its fp32
+master copy takes the parameter's values (:func:`reconcile_master`).
 """
 
 from __future__ import annotations
@@ -223,14 +224,25 @@ class GradTable:
         return (None, None, None) if table is None else (table.addresses, table.starts, table.sizes)
 
 
-def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether a saved fp32 master copy is within one unit in the last place of the 16-bit
-    parameter (rounded to it either way): otherwise the parameter was changed since it was
-    saved (e.g. stepped by torch.optim, which keeps no master copy) and the master is stale."""
-    value = param.float()
-    _, exponent = torch.frexp(value)
-    spacing = torch.ldexp(torch.full_like(value, torch.finfo(param.dtype).eps), exponent - 1)
-    return bool(((master - value).abs() < spacing).all())
+def reconcile_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Bring an fp32 master copy back in line with its 16-bit parameter, element by element:
+    keep each master element that the update's rounding turns into the parameter's, take the
+    parameter's value where it differs (written from outside since the last update: a
+    ``model.load_state_dict``, a ``p.copy_``, torch.optim, a checkpoint of other weights).
+
+    Args:
+        master: the master elements (fp32, 1-D), updated in place.
+        param: the parameter's same elements (16-bit, 1-D).
+    """
+    kept = master.to(param.dtype) == param
+    if param.dtype == torch.bfloat16 and _backend.backend_for(param) == "interpreter":
+        # Triton's CPU interpreter truncates fp32 -> bf16 where a GPU rounds to nearest
+        kept |= (master.view(torch.int32) & -65536).view(torch.float32).to(param.dtype) == param
+    master.copy_(torch.where(kept, master, param.float()))
+
+
+# a parameter version no tensor has: its master is reconciled at the next parameter checks
+_UNCHECKED = -1
 
 
 class FlatOptimizer(torch.optim.Optimizer):
@@ -347,7 +359,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, state in saved.items():
                 self._restore(p, state)
-        self._versions = [[p._version for p in buffer.params] for buffer in self.flat.buffers]
+        self._versions = [[_UNCHECKED] * len(buffer.params) for buffer in self.flat.buffers]
         self._attach_state()
         self._check_params()
 
@@ -425,11 +437,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._steps[index][slot].copy_(torch.as_tensor(state.get("step", 0.0)))
         master = self._masters[index]
         if master is not None:
+            # the saved master as it is: the next step's parameter checks reconcile it with the
+            # parameter, which the model's state may still replace before then
             saved_master = state.get("master_param")
-            if saved_master is not None and _rounds_to(saved_master.to(master.device, torch.float32), p.detach()):
-                master[span].copy_(saved_master.reshape(-1))
-            else:
-                master[span].copy_(p.detach().reshape(-1))
+            master[span].copy_((p.detach() if saved_master is None else saved_master).reshape(-1))
 
     def _attach_state(self) -> None:
         """Expose per-parameter views of the flat state in torch's ``self.state`` layout."""
@@ -490,9 +501,10 @@ class FlatOptimizer(torch.optim.Optimizer):
                     flags[slot] = active
                     changed = True
                 if master is not None and p._version != versions[slot]:
-                    # Written in place from outside (model.load_state_dict, p.copy_): the master follows.
+                    # written in place from outside (model.load_state_dict, p.copy_), or a master
+                    # just restored: the master follows the parameter where they differ
                     offset = buffer.offsets[slot]
-                    master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                    reconcile_master(master[offset : offset + p.numel()], p.detach().reshape(-1))
                     versions[slot] = p._version
             if changed:
                 self._active[index].copy_(torch.tensor(flags, dtype=torch.float32), non_blocking=True)
@@ -521,7 +533,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self) -> None:
         """Copy the groups' hyperparameters to the device when a scheduler changed them
         (a host-to-device write, never a read back)."""
-        values = [self._hyper_of(group) for group in self.param_groups]
+        # floats, not the groups' objects: a tensor lr that a scheduler fills in place would
+        # compare equal to itself and never reach the device
+        values = [tuple(float(value) for value in self._hyper_of(group)) for group in self.param_groups]
         if values != self._hyper_values:
             for group in self.param_groups:
                 self._check_group(group)
@@ -792,5 +806,5 @@ class FlatOptimizer(torch.optim.Optimizer):
                     else:
                         self.state.pop(p, None)
         for index, buffer in enumerate(self.flat.buffers):
-            self._versions[index] = [p._version for p in buffer.params]
+            self._versions[index] = [_UNCHECKED] * len(buffer.params)
         self._sync_hyperparameters()

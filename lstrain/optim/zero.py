@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lstrain import _backend
 from lstrain.optim.adamw import FusedAdamW, _adamw_kernel
-from lstrain.optim.base import _rounds_to, sum_squares
+from lstrain.optim.base import _UNCHECKED, reconcile_master, sum_squares
 from lstrain.optim.distributed import _global_rank, broadcast_flat, check_process_group
 from lstrain.optim.flat import BLOCK, FlatParameters
 
@@ -137,7 +137,7 @@ class ZeroAdamW(FusedAdamW):
             last = buffer.params[-1]
             self._used_blocks.append(-(-(buffer.offsets[-1] + last.numel()) // BLOCK))
         self._allocate_state(self.shards)
-        self._versions = [[p._version for p in buffer.params] for buffer in self.flat.buffers]
+        self._versions = [[_UNCHECKED] * len(buffer.params) for buffer in self.flat.buffers]
         self._attach_state()
         self._check_params()
 
@@ -171,7 +171,7 @@ class ZeroAdamW(FusedAdamW):
                     versions[slot] = p._version
                     parts = self._overlap(index, self._locate(p)[2])
                     if master is not None and parts is not None:
-                        master[parts[1]].copy_(p.detach().reshape(-1)[parts[0]])
+                        reconcile_master(master[parts[1]], p.detach().reshape(-1)[parts[0]])
 
     def _check_params(self) -> None:
         self._reseed_changed()
@@ -203,11 +203,8 @@ class ZeroAdamW(FusedAdamW):
                 target.copy_(value.reshape(-1)[mine])
         master = self._masters[index]
         if master is not None:
-            saved = state.get("master_param")
-            if saved is not None and _rounds_to(saved.to(master.device, torch.float32), p.detach()):
-                master[there].copy_(saved.reshape(-1)[mine])
-            else:
-                master[there].copy_(p.detach().reshape(-1)[mine])
+            saved = state.get("master_param")  # reconciled with the parameter at the next step
+            master[there].copy_((p.detach() if saved is None else saved).reshape(-1)[mine])
 
     def _reduce_gradients(self) -> None:
         """Average the gradients: each rank's shard of each flat gradient buffer receives the

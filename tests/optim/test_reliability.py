@@ -250,10 +250,49 @@ def test_a_16_bit_master_survives_a_round_trip_and_a_stale_one_is_dropped():
     torch_optimizer = torch.optim.AdamW(stale.parameters(), lr=1e-2)
     torch_optimizer.load_state_dict(copy.deepcopy(saved))
     _train(stale, torch_optimizer, 1, start=2)
-    again = FusedAdamW(stale.parameters(), lr=1e-2)
+    weights = [p.detach().clone() for p in stale.parameters()]
+    again = FusedAdamW(stale.parameters(), lr=1e-2, weight_decay=0.0)
     again.load_state_dict(torch_optimizer.state_dict())
-    for p in stale.parameters():
+    again.param_groups[0]["lr"] = 0.0  # a step that moves nothing: the weights must stay
+    _train(stale, again, 1, start=3)
+    for p, weight in zip(stale.parameters(), weights, strict=True):
+        assert torch.equal(p, weight)
         assert torch.equal(again.state[p]["master_param"], p.float())
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_a_16_bit_resume_is_bit_for_bit_whichever_state_loads_first(model_first):
+    """The saved fp32 masters hold what the bf16 weights lost to rounding: a resume keeps
+    them whether the model's state or the optimizer's is loaded first."""
+    model = _model(dtype=torch.bfloat16)
+    optimizer = FusedAdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 2)
+    saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    _train(model, optimizer, 2, start=2)
+    resumed_model = _model(seed=1, dtype=torch.bfloat16)
+    resumed = FusedAdamW(resumed_model.parameters(), lr=1e-2)
+    if model_first:
+        resumed_model.load_state_dict(saved_model)
+        resumed.load_state_dict(saved_optimizer)
+    else:
+        resumed.load_state_dict(saved_optimizer)
+        resumed_model.load_state_dict(saved_model)
+    _train(resumed_model, resumed, 2, start=2)
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(optimizer.state[p]["master_param"], resumed.state[q]["master_param"])
+
+
+def test_a_tensor_lr_that_a_scheduler_fills_in_place_reaches_the_update():
+    model, twin = _model(), _model()
+    ours = FusedAdamW(model.parameters(), lr=torch.tensor(1e-2))
+    theirs = torch.optim.AdamW(twin.parameters(), lr=torch.tensor(1e-2), foreach=False)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ours, theirs)]
+    for step in range(3):
+        for m, o, scheduler in zip((model, twin), (ours, theirs), schedulers, strict=True):
+            _train(m, o, 1, start=step)
+            scheduler.step()
+    _assert_close(model, twin)
 
 
 def test_a_16_bit_model_loaded_after_building_the_optimizer_is_not_reverted():
