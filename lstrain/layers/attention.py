@@ -60,7 +60,8 @@ def _masked_softmax(
         z = z.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool, device=z.device).triu(1), float("-inf"))
     if key_padding_mask is not None:
         z = z.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
-    return torch.softmax(z, dim=-1).nan_to_num(0.0)
+    # zeros where every key is masked; a NaN score still makes its row NaN
+    return torch.softmax(z, dim=-1).masked_fill(torch.isneginf(z).all(dim=-1, keepdim=True), 0.0)
 
 
 class SelfAttention(torch.nn.Module):

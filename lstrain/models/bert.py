@@ -461,7 +461,7 @@ class BertForMaskedLM(torch.nn.Module):
         logits = F.linear(head(x), decoder, head.bias)
         # at least fp32 (an fp64 twin stays fp64): the reference's loss rounded once
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(flat, labels.reshape(-1).long(), ignore_index=IGNORE_INDEX)  # int32 labels too
         return BertOutput(loss=loss, logits=logits)
 
     def _masked_loss(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> BertOutput:
@@ -481,7 +481,7 @@ class BertForMaskedLM(torch.nn.Module):
             return BertOutput(loss=loss)
         logits = F.linear(head(hidden), decoder, head.bias)
         flat = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(flat, target.long(), ignore_index=IGNORE_INDEX)
         return BertOutput(loss=loss, logits=logits.reshape(batch, -1, logits.shape[-1]))
 
     def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:

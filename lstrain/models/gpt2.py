@@ -343,7 +343,7 @@ class GPT2(torch.nn.Module):
         logits = self.lm_head(x)
         # at least fp32, as HF upcasts (an fp64 twin stays fp64)
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(flat, target.long(), ignore_index=IGNORE_INDEX)  # int32 labels as the fused path
         return GPT2Output(loss=loss, logits=logits)
 
     def _dropout_seeds(self, device: torch.device) -> torch.Tensor | None:
@@ -434,8 +434,8 @@ def _from_hf_tensors(tensors: dict[str, torch.Tensor], model: GPT2) -> dict[str,
     """HF checkpoint tensors -> ``model``'s state_dict: prefixed keys, torch's Linear layout."""
     state = {}
     for key, value in tensors.items():
-        if key.endswith((".attn.bias", ".attn.masked_bias")) and value.dim() > 1:
-            continue  # HF's causal-mask buffers of older checkpoints, not weights
+        if key.endswith(".attn.masked_bias") or (key.endswith(".attn.bias") and value.dim() > 1):
+            continue  # HF's mask buffers of older checkpoints (a 0-d masked_bias), not weights
         key = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
         state[key] = value.t() if key.endswith(_CONV1D) else value
     wte = state.get("transformer.wte.weight")

@@ -393,7 +393,7 @@ class Llama(torch.nn.Module):
         logits = self.lm_head(x)
         # at least fp32, as HF upcasts (an fp64 twin stays fp64)
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(flat, target.long(), ignore_index=IGNORE_INDEX)  # int32 labels as the fused path
         return LlamaOutput(loss=loss, logits=logits)
 
     def _check_inputs(self, input_ids, labels, attention_mask, check_ids: bool | None, position_ids=None) -> None:

@@ -208,3 +208,17 @@ def test_fused_matches_unfused_bf16_on_the_gpu(norm_first, attn_implementation):
     x = torch.randn(batch, seq, dim, device="cuda", dtype=torch.bfloat16)
     comparisons = check_module(_Run(fused, mask), _Run(plain, mask), x, generator=torch.Generator().manual_seed(0))
     assert_all_passed(comparisons)
+
+
+def test_the_plain_attention_softmax_keeps_a_nan_and_zeroes_rows_without_keys():
+    from lstrain.layers.attention import _masked_softmax
+
+    scores = torch.randn(2, 1, 3, 4, device=DEVICE)
+    bias = torch.zeros(1, 1, 3, 4, device=DEVICE)
+    bias[0, 0, 1, 2] = float("nan")
+    padding = torch.zeros(2, 4, dtype=torch.bool, device=DEVICE)
+    padding[1] = True  # the second sequence has no key at all
+    probs = _masked_softmax(scores, 0.5, padding, bias, causal=False)
+    assert probs[0, 0, 1].isnan().all()  # NaN in gives NaN out, as the fused softmax and SDPA
+    assert not probs[0, 0, [0, 2]].isnan().any()
+    assert torch.equal(probs[1], torch.zeros_like(probs[1]))

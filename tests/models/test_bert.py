@@ -460,3 +460,14 @@ def test_masked_positions_capture_in_a_cuda_graph_and_labels_alone_do_not():
     model, opt, step = setup(False)
     with pytest.raises(CaptureError, match="synchronises with the host"):
         CapturedStep(step, restore=(model, opt))(*steps[0])
+
+
+def test_int32_labels_give_the_int64_loss_in_both_twins():
+    fused, plain = twins()
+    ids, labels, mask, types = batch(TINY["vocab_size"], types=TINY["type_vocab_size"])
+    positions, masked = _fixed_positions(labels)
+    for model in (fused, plain):
+        for kwargs in ({"labels": labels}, {"labels": masked, "masked_positions": positions}):
+            expected = model(ids, mask, types, **kwargs).loss
+            int32 = {**kwargs, "labels": kwargs["labels"].int()}
+            torch.testing.assert_close(model(ids, mask, types, **int32).loss, expected)

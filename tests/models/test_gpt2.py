@@ -290,3 +290,11 @@ def test_torch_compile_fullgraph_on_the_gpu_matches_eager(attn_implementation):
         for (name, _), a, b in zip(fused.named_parameters(), got_grads, grads, strict=True):
             scale = b.abs().max().item() + 1e-6
             assert (a - b).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_int32_labels_give_the_int64_loss_in_both_twins():
+    fused, plain = twins()
+    ids, labels, mask = batch(TINY["vocab_size"])
+    for model in (fused, plain):
+        expected = model(ids, labels=labels, attention_mask=mask).loss
+        torch.testing.assert_close(model(ids, labels=labels.int(), attention_mask=mask).loss, expected)

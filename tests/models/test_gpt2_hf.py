@@ -90,8 +90,9 @@ def test_an_older_checkpoint_without_the_prefix_loads(tmp_path):
     hf.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     old = {k.removeprefix("transformer."): v for k, v in tensors.items()}
-    for i in range(SHAPE["n_layer"]):  # the causal-mask buffers old files carry
+    for i in range(SHAPE["n_layer"]):  # the mask buffers old files carry
         old[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64)
+        old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     save_file(old, str(tmp_path / "model.safetensors"))
     model = GPT2.from_pretrained(tmp_path, fused=False)
     ids, _, _ = _inputs()
