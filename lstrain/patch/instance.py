@@ -448,7 +448,7 @@ def _recompute_norm_outputs(model: torch.nn.Module, enabled: bool, state: _Patch
 def _implied_positions_forward(signature: inspect.Signature):
     """A forward for a base model that tells the mask function when it makes its own
     position ids and has no padding mask or cache (:func:`implied_positions`)."""
-    unset = ("attention_mask", "position_ids", "past_key_values")
+    unset = ("attention_mask", "position_ids", "past_key_values", "cache")  # 5.25 names the cache "cache"
 
     def forward(base, *args, **kwargs):
         own = base.__dict__[_WRAPPED]
@@ -500,14 +500,20 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
         labels = arguments.get("labels")
         logits_to_keep = arguments.get("logits_to_keep", 0)
         # The logits are built where asked for, and where the loss would be over a slice of them.
-        if labels is None or return_logits or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        head = model.get_submodule(head_path)
+        # and where the head is not a plain Linear now (a LoRA adapter, a hook on the logits)
+        if (
+            labels is None
+            or return_logits
+            or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+            or not _plain_linears(head)
+        ):
             return original(*args, **kwargs)
         extra = dict(arguments.pop(var_keyword, {})) if var_keyword else {}
         arguments["labels"] = None
         return_dict = extra.pop("return_dict", None)
         if return_dict is None:  # as transformers' can_return_tuple decides it
             return_dict = getattr(model.config, "return_dict", True)
-        head = model.get_submodule(head_path)
         own_forward = _bypass_head(head)
         try:
             output = original(**arguments, **extra, return_dict=True)
@@ -607,7 +613,8 @@ def patch(
     Raises:
         TypeError: the model's class is not supported (the message lists what is).
         RuntimeError: the installed transformers is not a supported major version.
-        ValueError: the model is already patched with other options.
+        ValueError: the model is already patched with other options, or a module of it is
+            patched as part of another model (its base model, or the model holding it).
     """
     options = {
         "layer_norm": layer_norm,
@@ -625,6 +632,12 @@ def patch(
                 f"model is already patched with {state.options}; unpatch it before patching with {options}"
             )
         return state.report
+    for path, module in model.named_modules():
+        if _STATE in module.__dict__ or _WRAPPED in module.__dict__:
+            raise ValueError(
+                f"{path or type(model).__name__} is already patched as part of another model (patch of a model "
+                "and of its base model, or the other way round); unpatch that one first"
+            )
     family, head_path = family_of(model)
     check_transformers_version()
     state = _PatchState(options, PatchReport(family.name), [])
@@ -663,6 +676,10 @@ def unpatch(model: torch.nn.Module) -> bool:
     if state is None:
         return False
     for parent, name, old in reversed(state.modules):
+        # the patched module's parameters, which a load_state_dict(assign=True) may have replaced
+        for key, value in getattr(parent, name)._parameters.items():
+            if key in old._parameters:
+                old._parameters[key] = value
         setattr(parent, name, old)
     for module, previous in reversed(state.forwards):
         del module.__dict__[_WRAPPED]

@@ -227,3 +227,24 @@ def test_package_is_callable_however_imported():
     model = _gpt2(transformers.GPT2Model)
     assert lstrain.patch is package and package(model) is package.patch(model)
     assert lstrain.unpatch(model)
+
+
+def test_a_head_that_is_not_a_plain_linear_runs_its_own_forward():
+    model = _gpt2()
+    reference = copy.deepcopy(model)
+    lstrain.patch(model)
+    input_ids, labels = _batch(False)
+    for m in (model, reference):  # a hook on the logits, as an adapter or a logit soft-cap would add
+        m.lm_head.register_forward_hook(lambda module, args, logits: torch.tanh(logits))
+    loss = model(input_ids=input_ids, labels=labels).loss
+    torch.testing.assert_close(loss, reference(input_ids=input_ids, labels=labels).loss, **TOLERANCE)
+
+
+def test_unpatch_keeps_parameters_a_load_with_assign_put_in():
+    model = _gpt2()
+    lstrain.patch(model)
+    state = {key: value.clone() + 1 for key, value in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    lstrain.unpatch(model)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key

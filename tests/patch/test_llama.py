@@ -469,3 +469,29 @@ def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
     for key, grad in grads.items():
         assert torch.equal(grad, expected_grads[key]), key
     assert lstrain.unpatch(recomputed) and "forward" not in recomputed.model.layers[0].__dict__
+
+
+@pytest.mark.parametrize("inner_first", [False, True])
+def test_a_model_and_its_base_model_are_not_patched_both(inner_first):
+    model = _model("llama")
+    first, second = (model.model, model) if inner_first else (model, model.model)
+    lstrain.patch(first)
+    with pytest.raises(ValueError, match="already patched as part of another model"):
+        lstrain.patch(second)
+    assert lstrain.unpatch(first)
+
+
+def test_a_static_cache_decode_without_a_mask_matches_hf():
+    # transformers keeps the mask of a compileable cache's one-token step (its empty slots);
+    # the patch's implied-positions rule must not skip it
+    reference = _model("qwen2")  # SDPA attention
+    model = copy.deepcopy(reference)
+    lstrain.patch(model)
+    input_ids, _ = _batch(False)
+    outputs = []
+    with torch.no_grad():
+        for m in (model, reference):
+            cache = transformers.StaticCache(config=m.config, max_cache_len=24)
+            m(input_ids, **{_CACHE: cache}, use_cache=True)
+            outputs.append(m(input_ids[:, :1], **{_CACHE: cache}, use_cache=True).logits)
+    torch.testing.assert_close(outputs[0], outputs[1], **TOLERANCE)
