@@ -501,10 +501,12 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
         logits_to_keep = arguments.get("logits_to_keep", 0)
         # The logits are built where asked for, and where the loss would be over a slice of them.
         head = model.get_submodule(head_path)
-        # and where the head is not a plain Linear now (a LoRA adapter, a hook on the logits)
+        # and where the head is not a plain Linear now (a LoRA adapter, a hook on the logits),
+        # and under no_grad (an evaluation: the Trainer hands the logits to compute_metrics)
         if (
             labels is None
             or return_logits
+            or not torch.is_grad_enabled()
             or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
             or not _plain_linears(head)
         ):
@@ -571,9 +573,9 @@ def patch(
     ``cross_entropy``, a forward given ``labels`` returns the loss computed by
     ``lstrain.ops.linear_cross_entropy`` with the model's own semantics (the causal label
     shift, ignore index -100, the mean over kept tokens, ``num_items_in_batch``) and
-    ``logits=None``; pass ``return_logits=True`` to the forward to get transformers' own
-    logits and loss instead. Patching a patched model with the same options is a no-op that
-    returns the first report.
+    ``logits=None`` where gradients are enabled; under ``torch.no_grad()`` (evaluation), or
+    with ``return_logits=True`` passed to the forward, transformers' own logits and loss.
+    Patching a patched model with the same options is a no-op that returns the first report.
 
     Args:
         model: the model instance.

@@ -248,3 +248,14 @@ def test_unpatch_keeps_parameters_a_load_with_assign_put_in():
     lstrain.unpatch(model)
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
+
+
+def test_an_evaluation_under_no_grad_gets_logits_and_the_same_loss():
+    model = _gpt2()
+    reference = copy.deepcopy(model)
+    lstrain.patch(model)
+    input_ids, labels = _batch(False)
+    with torch.no_grad():
+        got, expected = (m(input_ids=input_ids, labels=labels) for m in (model, reference))
+    torch.testing.assert_close(got.logits, expected.logits, **TOLERANCE)
+    torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
