@@ -455,8 +455,9 @@ class BertForMaskedLM(torch.nn.Module):
                 rows = (target != IGNORE_INDEX).nonzero().squeeze(1)
                 hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
             loss = linear_cross_entropy(
-                head(hidden), decoder, target, head.bias, ignore_index=IGNORE_INDEX, check_targets=False
-            )
+                head(hidden), decoder, target, head.bias, ignore_index=IGNORE_INDEX, check_targets=False,
+                out_dtype=torch.promote_types(hidden.dtype, torch.float32),  # the fp32 loss, as the twin's
+            )  # fmt: skip
             return BertOutput(loss=loss)
         logits = F.linear(head(x), decoder, head.bias)
         # at least fp32 (an fp64 twin stays fp64): the reference's loss rounded once
@@ -476,8 +477,9 @@ class BertForMaskedLM(torch.nn.Module):
         decoder = self.bert["embeddings"]["word_embeddings"].weight
         if self.config.fused:
             loss = linear_cross_entropy(
-                head(hidden), decoder, target, head.bias, ignore_index=IGNORE_INDEX, check_targets=False
-            )
+                head(hidden), decoder, target, head.bias, ignore_index=IGNORE_INDEX, check_targets=False,
+                out_dtype=torch.promote_types(hidden.dtype, torch.float32),  # the fp32 loss, as the twin's
+            )  # fmt: skip
             return BertOutput(loss=loss)
         logits = F.linear(head(hidden), decoder, head.bias)
         flat = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -337,8 +337,9 @@ class GPT2(torch.nn.Module):
         target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         if self.config.fused:
             loss = linear_cross_entropy(
-                x.reshape(-1, x.shape[-1]), head_weight, target, ignore_index=IGNORE_INDEX, check_targets=False
-            )
+                x.reshape(-1, x.shape[-1]), head_weight, target, ignore_index=IGNORE_INDEX, check_targets=False,
+                out_dtype=torch.promote_types(x.dtype, torch.float32),  # the fp32 loss, as the twin's and HF's
+            )  # fmt: skip
             return GPT2Output(loss=loss)
         logits = self.lm_head(x)
         # at least fp32, as HF upcasts (an fp64 twin stays fp64)

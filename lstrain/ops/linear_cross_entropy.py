@@ -211,7 +211,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction, chunk_bytes, fp32_sum
+        ctx,
+        hidden,
+        weight,
+        target,
+        bias,
+        label_smoothing,
+        ignore_index,
+        z_loss,
+        reduction,
+        chunk_bytes,
+        fp32_sum,
+        out_dtype,
     ):
         options = (label_smoothing, ignore_index, z_loss)
         tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -250,21 +261,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, target, bias)
         if reduction == "none":
             return loss
-        # in hidden's dtype already (outside torch.compile): the caller's cast is then no
-        # node of the graph, whose backward would cost a launch and an engine step
-        return reduce_row_losses(loss, valid_rows, hidden.dtype)
+        # in out_dtype already (outside torch.compile): the caller's cast is then no node of
+        # the graph, whose backward would cost a launch and an engine step
+        return reduce_row_losses(loss, valid_rows, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_create_graph("linear_cross_entropy")
         if ctx.reduction == "none":
-            return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None, None)
+            return (*_recompute_gradients(ctx, grad_loss), None, None, None, None, None, None, None)
         grad_hidden, grad_weight, grad_bias = (
             None if grad is None else rescale_gradient(grad, grad_loss) for grad in ctx.saved_tensors
         )
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None
 
 
 def _recompute_gradients(ctx, grad_loss):
@@ -340,6 +351,7 @@ def linear_cross_entropy(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fp32_weight_grad: bool | None = None,
     check_targets: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` without materialising the logits.
 
@@ -364,16 +376,22 @@ def linear_cross_entropy(
             None (default): with one chunk the weight's dtype (one GEMM, one rounding),
             else the fp32 buffer when it is no larger than one chunk's logits or there
             are more than ``MAX_16BIT_SUMS`` chunks.
+        out_dtype: the loss's dtype: None (default) hidden's, as ``F.cross_entropy`` of the
+            logits gives; ``torch.float32`` (or float64) the value the kernels reduced in
+            fp32, not rounded to 16 bits (what Hugging Face's models return).
 
     Returns:
-        The loss in hidden's dtype (0-d for mean/sum, ``[tokens]`` for none).
+        The loss in ``out_dtype`` (0-d for mean/sum, ``[tokens]`` for none).
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices, a ``chunk_bytes`` that is not a
             positive int, or a bad option (see :func:`lstrain.ops.cross_entropy`); errors
             name linear_cross_entropy.
     """
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"linear_cross_entropy: out_dtype must be None or a floating dtype, got {out_dtype!r}")
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    out_dtype = out_dtype or hidden.dtype
     label_smoothing, ignore_index, z_loss = _validate(
         hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, chunk_bytes
     )
@@ -386,14 +404,14 @@ def linear_cross_entropy(
         return linear_cross_entropy_ref(
             hidden, weight, target, bias, label_smoothing=label_smoothing, ignore_index=ignore_index,
             reduction=reduction, z_loss=z_loss,
-        )  # fmt: skip
+        ).to(out_dtype)  # fmt: skip
     if not torch.is_grad_enabled():  # nothing will be differentiated: no gradients in forward
         hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
     loss = LinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, label_smoothing, ignore_index, z_loss, reduction,
-        chunk_bytes, _fp32_sum(fp32_weight_grad, hidden, weight, chunk_bytes),
+        chunk_bytes, _fp32_sum(fp32_weight_grad, hidden, weight, chunk_bytes), out_dtype,
     )  # fmt: skip
-    return loss.to(hidden.dtype)
+    return loss.to(out_dtype)
 
 
 def linear_cross_entropy_ref(

@@ -16,12 +16,11 @@ __all__ = ["LOSSES", "causal_lm_loss", "masked_lm_loss"]
 def _head_loss(hidden, weight, bias, target, ignore_index, num_items_in_batch) -> torch.Tensor:
     """transformers' ``fixed_cross_entropy`` on ``hidden @ weight.T + bias``."""
     reduction = "mean" if num_items_in_batch is None else "sum"
+    # transformers computes the loss from fp32 logits: the loss is fp32 whatever the model's dtype
     loss = linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1).to(hidden.device), bias,
-        ignore_index=ignore_index, reduction=reduction,
+        ignore_index=ignore_index, reduction=reduction, out_dtype=torch.float32,
     )  # fmt: skip
-    # transformers computes the loss from fp32 logits: the loss is fp32 whatever the model's dtype.
-    loss = loss.float()
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -305,3 +305,22 @@ def test_chunk_logits_rows_are_padded_to_an_aligned_stride(device, vocab):
     torch.testing.assert_close(logits, hidden @ weight.t() + bias)
     # the extra columns are exact zeros: the hidden gradient's GEMM reads them as its K
     assert torch.equal(product[:, vocab:], torch.zeros(5, padded - vocab, device=device))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_out_dtype_keeps_the_fp32_loss_that_the_default_rounds(reduction):
+    # fp16 on the CPU: the interpreter's bf16 tl.dot is wrong (the rounding is the point here)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(24, 16, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(40, 16, generator=generator).to(DEVICE, dtype)
+    target = torch.randint(0, 40, (24,), generator=generator).to(DEVICE)
+    kwargs = {"reduction": reduction}
+    fp32 = linear_cross_entropy(hidden, weight, target, out_dtype=torch.float32, **kwargs)
+    assert fp32.dtype == torch.float32
+    assert torch.equal(fp32.to(dtype), linear_cross_entropy(hidden, weight, target, **kwargs))
+    logits = (hidden.double() @ weight.double().T).to(dtype)  # the chunk's logits are 16-bit
+    exact = F.cross_entropy(logits.double(), target, reduction=reduction)
+    assert (fp32.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+    with pytest.raises(ValueError, match="out_dtype must be None or a floating dtype"):
+        linear_cross_entropy(hidden, weight, target, out_dtype=torch.int64)
