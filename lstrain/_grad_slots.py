@@ -9,7 +9,8 @@ else holds the parameter's ``.grad`` as it is, so after ``zero_grad(set_to_none=
 the flat buffer receives the gradient with neither a copy nor the add into a zeroed buffer
 that ``set_to_none=False`` costs (GPT-2 medium: 292 adds and a fill per step).
 
-A place is handed out only while the parameter's ``.grad`` is None, once until the
+A place is handed out only while the parameter's ``.grad`` is None and the backward
+accumulates into it (not to ``torch.autograd.grad``'s caller), once until the
 optimizer reopens its :class:`Places` (its ``zero_grad`` and ``step``: one counter, no walk
 over the parameters), with grad mode off (no double
 backward) and never while torch.compile traces: a second contribution to one parameter
@@ -89,7 +90,8 @@ def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
     Returns:
         A view of the flat buffer to write the gradient into and return, or None: nothing
-        is registered for it, its ``.grad`` is set, its place is taken, grad mode is on,
+        is registered for it, its ``.grad`` is set, its place is taken, the backward is
+        not accumulating into ``.grad`` (``torch.autograd.grad``), grad mode is on,
         torch.compile is tracing, or the dtype or layout differs.
     """
     if torch.compiler.is_compiling():  # first: dynamo traces no further (not into the registry)
@@ -99,6 +101,13 @@ def take(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     param = _parameter_of(like)
     place = None if param is None else _places.get(param)
     if place is None or param.grad is not None or place.taken == place.group.generation:
+        return None
+    # only a gradient bound for .grad: torch.autograd.grad returns its gradients to the
+    # caller, who may keep them past the next backward, which writes over the place
+    try:
+        if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node):
+            return None
+    except RuntimeError:  # torch raises it for a leaf's node under torch.autograd.grad
         return None
     buffer = place.buffer()
     if buffer is None or buffer.dtype != dtype:

@@ -58,6 +58,18 @@ def test_saved_tensor_hooks_keep_a_saved_weight_its_place_and_an_alias_gets_none
     assert alias.grad is not None and not any(_same_memory(alias.grad, view) for view in buffer.grad_views)
 
 
+def test_autograd_grad_gets_its_own_tensors_not_places():
+    # its caller keeps the gradients: a place would be written over by the next backward
+    weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    flat, buffer = _flat(weight)
+    x = torch.randn(6, 4, device=DEVICE)
+    (grad,) = torch.autograd.grad(linear(x, weight).square().sum(), weight)
+    assert not _same_memory(grad, buffer.grad_views[0]) and weight.grad is None
+    kept = grad.clone()
+    linear(torch.randn(6, 4, device=DEVICE), weight).square().sum().backward()
+    assert _in_buffer(weight, buffer) and torch.equal(grad, kept)
+
+
 def test_a_tied_weight_gets_both_contributions():
     weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
     flat, buffer = _flat(weight)
@@ -94,17 +106,37 @@ def test_a_place_is_taken_once_until_reopened():
     assert _in_buffer(weight, buffer)
 
 
+def _in_a_backward(params, check):
+    """Run ``check()`` inside a backward that accumulates into ``params``' ``.grad`` (where
+    the ops call ``take``)."""
+
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            return sum(x.sum() for x in inputs)
+
+        @staticmethod
+        def backward(ctx, grad):
+            check()
+            return tuple(torch.zeros_like(p) for p in params)
+
+    _Probe.apply(*params).backward()
+
+
 def test_no_place_with_grad_mode_on_or_a_dead_buffer():
     weight = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
+    other = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
     flat, buffer = _flat(weight)
-    with torch.enable_grad():
-        assert _grad_slots.take(weight, weight.dtype) is None
-    with torch.no_grad():
+    _grad_slots.Places().register(other, torch.zeros(20, device=DEVICE), 0)  # the buffer dies here
+
+    def check():
+        with torch.enable_grad():
+            assert _grad_slots.take(weight, weight.dtype) is None
         assert _grad_slots.take(weight, torch.float64) is None
-        other = torch.nn.Parameter(torch.randn(5, 4, device=DEVICE))
-        _grad_slots.Places().register(other, torch.zeros(20, device=DEVICE), 0)  # the buffer dies here
         assert _grad_slots.take(other, other.dtype) is None
         assert _grad_slots.take(weight, weight.dtype) is not None
+
+    _in_a_backward([weight, other], check)
 
 
 def test_set_to_none_steps_as_in_place_and_copies_nothing_for_lstrain_weights():
