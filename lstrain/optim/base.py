@@ -359,9 +359,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, state in saved.items():
                 self._restore(p, state)
-        self._versions = [[_UNCHECKED] * len(buffer.params) for buffer in self.flat.buffers]
+        self._forget_versions()
         self._attach_state()
         self._check_params()
+
+    def _forget_versions(self) -> None:
+        """Reconcile every master with its parameter at the next parameter checks (after a
+        build or a load: the model's state may still be loaded before the next step)."""
+        self._versions = [[_UNCHECKED] * len(buffer.params) for buffer in self.flat.buffers]
 
     def _check_dtypes(self, groups: list[list[torch.nn.Parameter]]) -> None:
         """Refuse fp16 parameters without master weights: stochastic rounding is to bf16.
@@ -805,6 +810,5 @@ class FlatOptimizer(torch.optim.Optimizer):
                         self.state[p] = {key: value.to(p.device) for key, value in imported[p].items()}
                     else:
                         self.state.pop(p, None)
-        for index, buffer in enumerate(self.flat.buffers):
-            self._versions[index] = [_UNCHECKED] * len(buffer.params)
+        self._forget_versions()
         self._sync_hyperparameters()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lstrain import _backend
 from lstrain.optim.adamw import FusedAdamW, _adamw_kernel
-from lstrain.optim.base import _UNCHECKED, reconcile_master, sum_squares
+from lstrain.optim.base import reconcile_master, sum_squares
 from lstrain.optim.distributed import _global_rank, broadcast_flat, check_process_group
 from lstrain.optim.flat import BLOCK, FlatParameters
 
@@ -137,7 +137,7 @@ class ZeroAdamW(FusedAdamW):
             last = buffer.params[-1]
             self._used_blocks.append(-(-(buffer.offsets[-1] + last.numel()) // BLOCK))
         self._allocate_state(self.shards)
-        self._versions = [[_UNCHECKED] * len(buffer.params) for buffer in self.flat.buffers]
+        self._forget_versions()
         self._attach_state()
         self._check_params()
 

@@ -500,16 +500,16 @@ def _fused_loss_forward(model: torch.nn.Module, head_path: str, loss_name: str):
         labels = arguments.get("labels")
         logits_to_keep = arguments.get("logits_to_keep", 0)
         # The logits are built where asked for, and where the loss would be over a slice of them.
-        head = model.get_submodule(head_path)
-        # and where the head is not a plain Linear now (a LoRA adapter, a hook on the logits),
         # and under no_grad (an evaluation: the Trainer hands the logits to compute_metrics)
         if (
             labels is None
             or return_logits
             or not torch.is_grad_enabled()
             or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
-            or not _plain_linears(head)
         ):
+            return original(*args, **kwargs)
+        head = model.get_submodule(head_path)
+        if not _plain_linears(head):  # a LoRA adapter, a hook on the logits: the head's own forward
             return original(*args, **kwargs)
         extra = dict(arguments.pop(var_keyword, {})) if var_keyword else {}
         arguments["labels"] = None
