@@ -41,6 +41,7 @@ def _sgd_kernel(
     active_ptr,
     hyper_ptr,
     step_ptr,
+    momentum_steps_ptr,
     grad_factor_ptr,
     skip_ptr,
     groups,
@@ -67,7 +68,8 @@ def _sgd_kernel(
     weight_decay = tl.load(hyper_ptr + 3 * groups + group).to(tl.float32)
     nesterov = tl.load(hyper_ptr + 4 * groups + group)
     step = tl.load(step_ptr + slot)
-    first_step = step == 1.0
+    # the buffer is made at a parameter's first step with momentum, as torch makes it
+    fresh_buffer = tl.load(momentum_steps_ptr + slot) == 1.0
     active = tl.load(active_ptr + slot)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     grad_pointers, grad_exists = gradient_pointers(
@@ -78,15 +80,17 @@ def _sgd_kernel(
         HAS_FACTOR, CAN_SKIP, BLOCK,
     )  # fmt: skip
     g = g + weight_decay * w
-    # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g
+    # torch: the buffer starts as the first gradient, then buf = momentum * buf + (1 - dampening) * g;
+    # without momentum it is neither used nor written (a later momentum continues it)
     buf = tl.load(momentum_ptr + offsets, mask=write, other=0.0).to(tl.float32)
-    buf = tl.where(first_step, g, momentum * buf + one_minus_dampening * g)
+    buf = tl.where(fresh_buffer, g, momentum * buf + one_minus_dampening * g)
     update = tl.where(nesterov != 0.0, g + momentum * buf, buf)
     update = tl.where(momentum == 0.0, g, update)
     w = w - lr * update
     key = rounding_key(seed, step)
     first = rng_offset + pid.to(tl.int64) * BLOCK
-    store_state(momentum_ptr, offsets, buf, write, key, first, 1, ROUND_STATE, BLOCK)
+    keeps_buffer = (tl.zeros([BLOCK], dtype=tl.float32) + momentum) != 0.0
+    store_state(momentum_ptr, offsets, buf, write & keeps_buffer, key, first, 1, ROUND_STATE, BLOCK)
     store_weight(param_ptr, master_ptr, offsets, w, write, key, first, HAS_MASTER, ROUND_WEIGHT, BLOCK)
 
 
@@ -100,8 +104,11 @@ class FusedSGD(FlatOptimizer):
     the momentum buffer is fp32. ``master_weights``, ``state_dtype`` (the momentum
     buffer's), ``rounding_seed`` and ``flat_grads`` as in FusedAdamW: bf16 without masters,
     rounded stochastically; the gradients in a flat buffer or autograd's own. The state
-    dict is torch's (``momentum_buffer`` per parameter that took a step in a group with
-    momentum).
+    dict is torch's (``momentum_buffer`` per parameter that has taken a step with momentum;
+    as in torch, a group whose momentum goes from 0 to nonzero starts its buffers from the
+    gradient, and one whose momentum is 0 for a while leaves them untouched).
+    ``self.state[p]`` also holds ``step`` and ``momentum_steps`` (steps taken with
+    momentum) as device scalars.
 
     Raises:
         ValueError: lr < 0, momentum or dampening outside [0, 1], weight_decay < 0,
@@ -155,11 +162,31 @@ class FusedSGD(FlatOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("FusedSGD: nesterov needs momentum > 0 and dampening 0")
 
+    def _allocate_state(self, spans: list[tuple[int, int]]) -> None:
+        super()._allocate_state(spans)
+        # per parameter, the steps taken with momentum: 0 means no momentum buffer yet
+        self._momentum_steps = [torch.zeros_like(steps) for steps in self._steps]
+
+    def _restore(self, p: torch.nn.Parameter, state: dict | None) -> None:
+        super()._restore(p, state)
+        index, slot, _ = self._locate(p)
+        self._momentum_steps[index][slot].copy_(torch.as_tensor((state or {}).get("momentum_steps", 0.0)))
+
+    def _attach_state(self) -> None:
+        super()._attach_state()
+        for index, buffer in enumerate(self.flat.buffers):
+            for slot, p in enumerate(buffer.params):
+                self.state[p]["momentum_steps"] = self._momentum_steps[index][slot]
+
     def _import_state(self, saved: dict, group: dict) -> dict:
         buffer = saved.get("momentum_buffer")
         # torch keeps no step for SGD: a saved momentum buffer means the first step is behind
-        step = saved.get("step", 0.0 if buffer is None else 1.0)
-        state = {"step": torch.as_tensor(step, dtype=torch.float32).reshape(())}
+        started = 0.0 if buffer is None else 1.0
+        step = saved.get("step", started)
+        state = {
+            "step": torch.as_tensor(step, dtype=torch.float32).reshape(()),
+            "momentum_steps": torch.as_tensor(saved.get("momentum_steps", started), dtype=torch.float32).reshape(()),
+        }
         if buffer is not None:
             state["momentum_buffer"] = buffer
         if saved.get("master_param") is not None:
@@ -170,7 +197,7 @@ class FusedSGD(FlatOptimizer):
         if step.item() == 0:
             return None
         entry = {}
-        if group["momentum"] != 0 and "momentum_buffer" in state:
+        if "momentum_buffer" in state and state["momentum_steps"].item() > 0:
             entry["momentum_buffer"] = state["momentum_buffer"]
         if "master_param" in state:
             entry["master_param"] = state["master_param"]
@@ -178,11 +205,15 @@ class FusedSGD(FlatOptimizer):
 
     def _launch(self, index, factor, found_inf) -> None:
         buffer, master, table = self.flat.buffers[index], self._masters[index], self._grad_tables[index]
+        # count this step for the parameters that take it with momentum (device ops: no sync)
+        with_momentum = self._active[index] * (self._hyper[1].index_select(0, buffer.slot_group) != 0)
+        if found_inf is not None:
+            with_momentum = with_momentum * (1.0 - found_inf)
+        self._momentum_steps[index].add_(with_momentum)
         _sgd_kernel[(buffer.data.numel() // BLOCK,)](
             buffer.data, buffer.grad if table is None else buffer.data, *GradTable.arguments(table), master,
-            self._buffers["momentum_buffer"][index], buffer.block_group,
-            buffer.block_slot, self._active[index], self._hyper, self._steps[index], factor, found_inf,
-            len(self.param_groups),
+            self._buffers["momentum_buffer"][index], buffer.block_group, buffer.block_slot, self._active[index],
+            self._hyper, self._steps[index], self._momentum_steps[index], factor, found_inf, len(self.param_groups),
             HAS_MASTER=master is not None,
             HAS_FACTOR=factor is not None,
             CAN_SKIP=found_inf is not None,

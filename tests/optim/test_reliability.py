@@ -457,3 +457,25 @@ def test_a_whole_training_step_is_captured_in_a_cuda_graph_without_a_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _assert_close(model, twin)
+
+
+@pytest.mark.parametrize("schedule", [(0.0, 0.9, 0.9), (0.9, 0.0, 0.0, 0.9), (0.0, 0.0, 0.5, 0.9)])
+@pytest.mark.parametrize("dampening", [0.0, 0.3])
+def test_sgd_momentum_changed_mid_run_as_torch(schedule, dampening):
+    """A group's momentum set by a schedule: torch starts the buffer from the gradient at
+    the first step with momentum and leaves it alone while momentum is 0; the state dict
+    holds a buffer exactly when torch's does, and a torch state dict taken mid-run resumes."""
+    model, twin = _model(), _model()
+    ours = FusedSGD(model.parameters(), lr=0.1, dampening=dampening, weight_decay=0.01)
+    theirs = torch.optim.SGD(twin.parameters(), lr=0.1, dampening=dampening, weight_decay=0.01, foreach=False)
+    for step, momentum in enumerate(schedule):
+        for optimizer in (ours, theirs):
+            optimizer.param_groups[0]["momentum"] = momentum
+        _train(model, ours, 1, start=step)
+        _train(twin, theirs, 1, start=step)
+        _assert_close(model, twin)
+        saved, expected = ours.state_dict(), theirs.state_dict()
+        assert {k: set(v) for k, v in saved["state"].items()} == {k: set(v) for k, v in expected["state"].items()}
+        if step == 1:  # resume both from torch's state dict
+            ours = FusedSGD(model.parameters(), lr=0.1, dampening=dampening, weight_decay=0.01)
+            ours.load_state_dict(copy.deepcopy(expected))
