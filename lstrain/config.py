@@ -176,7 +176,10 @@ def _model(table: dict) -> ModelConfig:
             raise _unknown("model", key, allowed)
     fields = _fields(config_cls, "model", rest, skip=("vocab_size",))
     config = ModelConfig(**own, fields=fields)
-    config.build(vocab_size=256)  # the model's own range checks, now rather than after the data is read
+    # the model's own range checks now rather than after the data is read, over a vocabulary
+    # that holds any token id the recipe names (the tokenizer's size is checked at the build)
+    ids = [v for k, v in fields.items() if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool)]
+    config.build(vocab_size=max([256, *(i + 1 for i in ids)]))
     return config
 
 

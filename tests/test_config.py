@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from lstrain.config import RecipeError, load_recipe, parse_recipe
+from lstrain.train import CheckpointConfig, MetricsConfig, OptimizerConfig
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 
@@ -36,6 +37,10 @@ def test_a_bert_model_section_takes_bert_config_fields():
     config = run.model.build(300, pad_id=5)
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.pad_token_id) == (2, 1024, 300, 5)
     assert parse_recipe({"model": {"name": "bert", "pad_token_id": 0}}).model.build(300, pad_id=5).pad_token_id == 0
+    # a pad id past the check's stand-in vocabulary is the tokenizer's to judge at the build
+    assert parse_recipe({"model": {"name": "bert", "pad_token_id": 300}}).model.build(30522).pad_token_id == 300
+    with pytest.raises(RecipeError, match="pad_token_id must be None or an int"):
+        parse_recipe({"model": {"name": "bert", "pad_token_id": -1}})
     with pytest.raises(RecipeError, match=r"\[model\]: unknown key 'n_layer'.*; allowed: name, preset, hidden_size"):
         parse_recipe({"model": {"name": "bert", "n_layer": 2}})
     with pytest.raises(RecipeError, match="preset must be one of base, large; got 'medium'"):
@@ -91,6 +96,17 @@ def test_a_wrong_type_names_the_type_expected():
         parse_recipe({"optimizer": {"betas": [0.9]}})
     with pytest.raises(RecipeError, match=r"\[data\] max_bytes: expected int \| None, got float 1.5"):
         parse_recipe({"data": {"max_bytes": 1.5}})
+
+
+def test_the_configs_built_in_python_check_their_switches_and_folders(tmp_path):
+    with pytest.raises(ValueError, match=r"\[checkpoint\]: enabled must be a bool, got 'false'"):
+        CheckpointConfig(enabled="false")
+    with pytest.raises(ValueError, match=r"\[optimizer\]: master_weights must be a bool, got 1"):
+        OptimizerConfig(master_weights=1)
+    with pytest.raises(ValueError, match=r"\[metrics\]: folder must be a non-empty path, got ''"):
+        MetricsConfig(folder="")
+    assert CheckpointConfig(folder=tmp_path / "ckpt").folder == str(tmp_path / "ckpt")
+    assert MetricsConfig(folder=tmp_path).folder == str(tmp_path)
 
 
 def test_values_out_of_range_and_the_vocabulary():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,20 @@ def _number(owner: str, name: str, value: Any, low: float, high: float, *, open_
     if not ok:
         bracket = "(" if open_low else "["
         raise ValueError(f"{owner}: {name} must be a number in {bracket}{low}, {high}], got {value!r}")
+
+
+def _bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {name} must be a bool, got {value!r}")
+
+
+def _folder(owner: str, value: Any) -> str:
+    """``value`` as a non-empty path string (a ``pathlib.Path`` is taken as its string)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{owner}: folder must be a non-empty path, got {value!r}")
+    return value
 
 
 def _choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -159,8 +174,7 @@ class TrainingConfig:
         _choice("[training]", "mixed_precision", self.mixed_precision, PRECISIONS)
         _choice("[training]", "device", self.device, ("auto", "cpu", "cuda"))
         for name in ("compile", "cuda_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"[training]: {name} must be a bool, got {getattr(self, name)!r}")
+            _bool("[training]", name, getattr(self, name))
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on ``world_size`` ranks.
@@ -227,8 +241,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _choice("[optimizer]", "name", self.name, ("adamw", "zero_adamw"))
         _choice("[optimizer]", "state_dtype", self.state_dtype, ("float32", "bfloat16"))
-        if not isinstance(self.master_weights, bool):
-            raise ValueError(f"[optimizer]: master_weights must be true or false, got {self.master_weights!r}")
+        _bool("[optimizer]", "master_weights", self.master_weights)
         _number("[optimizer]", "lr", self.lr, 0.0, math.inf)
         _number("[optimizer]", "eps", self.eps, 0.0, math.inf)
         _number("[optimizer]", "weight_decay", self.weight_decay, 0.0, math.inf)
@@ -272,7 +285,8 @@ class CheckpointConfig:
     """``[checkpoint]``: where and how often.
 
     Args:
-        folder: the directory of the checkpoints (``step-00000100/`` each).
+        folder: the directory of the checkpoints (``step-00000100/`` each); a str or a
+            path-like (kept as its str).
         interval: save every this many steps, and at the end; 0 saves only at the end.
         keep_latest_k: checkpoints kept (older ones are deleted after a save).
         enabled: False writes none.
@@ -289,8 +303,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _positive_int("[checkpoint]", "interval", self.interval, zero=True)
         _positive_int("[checkpoint]", "keep_latest_k", self.keep_latest_k)
-        if not self.folder:
-            raise ValueError("[checkpoint]: folder must not be empty")
+        _bool("[checkpoint]", "enabled", self.enabled)
+        self.folder = _folder("[checkpoint]", self.folder)
 
 
 @dataclass
@@ -299,7 +313,7 @@ class MetricsConfig:
 
     Args:
         log_freq: log (and update the progress bar's figures) every this many steps.
-        folder: where ``metrics.jsonl`` and ``loss.png`` go.
+        folder: where ``metrics.jsonl`` and ``loss.png`` go (a str or a path-like).
 
     Raises:
         ValueError: a value out of range.
@@ -310,8 +324,7 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         _positive_int("[metrics]", "log_freq", self.log_freq)
-        if not self.folder:
-            raise ValueError("[metrics]: folder must not be empty")
+        self.folder = _folder("[metrics]", self.folder)
 
 
 @dataclass

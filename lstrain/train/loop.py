@@ -57,7 +57,8 @@ class Summary:
         seconds: wall time of those steps (evaluation and checkpoints included).
         train_loss: the loss of the last step (mean over ranks), None if no step ran.
         eval_loss: the last validation loss, None without evaluation.
-        losses: every step's training loss (rank 0's view: the mean over ranks), by step.
+        losses: the training loss of each logged step (every ``log_freq`` and the last; rank
+            0's view: the mean over ranks), by step: the loss is read back only when logged.
         checkpoint: the last checkpoint written, None if none.
         sample: the generated text, None without ``[sample]`` (and for a family that does
             not generate, such as BERT).
@@ -130,7 +131,8 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw: a machine with fewer takes its first ones
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy(), *rest))
     version, internal, gauss = state["python"]
@@ -438,9 +440,10 @@ def train(
 
     Raises:
         ValueError, FileNotFoundError: bad input, found before any step runs and before
-            anything is written: a missing data path, seq_len beyond the model's positions,
-            a batch that does not divide across ranks, a new run over existing
-            checkpoints, a checkpoint of another model or of another batch / seq_len,
+            anything is written: no data (neither ``data`` nor ``run.data``), a missing
+            data path, seq_len beyond the model's positions, a batch that does not divide
+            across ranks, a new run over existing checkpoints, a checkpoint of another
+            model or of another batch / seq_len,
             cuda_graphs without CUDA (or, for BERT, without fixed masked positions),
             ``[sample]`` for a family that does not generate.
     """
@@ -462,6 +465,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
     family = run.model.family
     say = echo if world.main else (lambda line: None)
     if data is None:
+        if run.data is None:
+            raise ValueError("train: no data: pass data= or set RunConfig.data (the recipe's [data])")
         from lstrain.data import build_data
 
         data = build_data(run.data, seq_len=training.seq_len, seed=training.seed, mlm=family.mlm)
@@ -543,6 +548,12 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         )
     if start_checkpoint is not None:
         say(f"resuming from {start_checkpoint} (step {start_step})")
+        saved_total = state.get("scheduler", {}).get("total_steps", training.steps)
+        if saved_total != training.steps:
+            say(
+                f"note: the checkpoint's run was to take {saved_total} steps, this one {training.steps}: the learning "
+                "rate schedule is stretched to the new total from here on"
+            )
         if changed:
             say(f"--allow-batch-change: trained with {changed}; the data continues at step x the new batch")
 

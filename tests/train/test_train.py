@@ -63,6 +63,7 @@ def _other_model_checkpoint(folder):
     "case",
     [
         "missing data",
+        "no data",
         "short corpus",
         "seq_len",
         "global batch",
@@ -77,6 +78,7 @@ def test_bad_input_is_refused_before_any_step(tmp_path, case):
     resume = None
     expected = {
         "missing data": (FileNotFoundError, "does not exist"),
+        "no data": (ValueError, r"train: no data: pass data= or set RunConfig.data"),
         "short corpus": (ValueError, "shorter than one sequence"),
         "seq_len": (ValueError, "seq_len 64 exceeds the model's n_positions 32"),
         "global batch": (ValueError, "global_batch_size 5 does not divide across 1 rank"),
@@ -87,6 +89,8 @@ def test_bad_input_is_refused_before_any_step(tmp_path, case):
     }[case]
     if case == "missing data":
         run.data.source = str(tmp_path / "nowhere.txt")
+    elif case == "no data":
+        run.data = None
     elif case == "short corpus":
         (tmp_path / "short.txt").write_text("too short")
         run.data.source = str(tmp_path / "short.txt")
@@ -244,6 +248,9 @@ def test_resuming_at_or_past_the_last_step_is_refused(tmp_path):
     train(micro_run(tmp_path, steps=2), progress=False, echo=_quiet)
     with pytest.raises(ValueError, match="is at step 2, and training.steps is 2: nothing is left to run"):
         train(micro_run(tmp_path, steps=2), resume=True, progress=False, echo=_quiet)
+    lines = []  # raised as the message says: the schedule is stretched to the new total, and said so
+    train(micro_run(tmp_path, steps=3), resume=True, progress=False, echo=lines.append)
+    assert any("the checkpoint's run was to take 2 steps, this one 3" in line for line in lines)
 
 
 def test_evaluation_and_checkpoints_are_not_timed_as_training(tmp_path, monkeypatch):
