@@ -67,7 +67,8 @@ def float_option(
     if isinstance(scalar, bool) or not isinstance(scalar, numbers.Real):
         raise ValueError(f"{op}: {name} must be {kind}, got {type(value).__name__} {value!r}")
     number = float(scalar)
-    inside = math.isfinite(number)
+    # comparisons, not math.isfinite: a symbolic float of torch.compile(dynamic=True) has them
+    inside = -math.inf < number < math.inf
     if low is not None:
         inside = inside and (number > low if low_open else number >= low)
     if high is not None:
