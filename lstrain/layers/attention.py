@@ -20,10 +20,39 @@ from lstrain.layers._residual import add_residual
 from lstrain.ops import attention_softmax, linear, qkv_attention, qkv_projection, qkv_projection_ref
 from lstrain.ops.qkv_attention import SUPPORTED_HEAD_DIMS
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "SelfAttention", "sdpa_mask"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "SelfAttention", "check_attention_inputs", "sdpa_mask"]
 
 # What computes the attention: torch's SDPA, or lstrain's qkv_attention kernels.
 ATTN_IMPLEMENTATIONS = ("sdpa", "lstrain")
+
+
+def check_attention_inputs(owner: str, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+    """Refuse what the attention layers would otherwise fail on with an error naming nothing
+    (or mask silently): an ``x`` that is not ``[batch, seq, dim]``, a ``key_padding_mask``
+    that is not bool ``[batch, seq]`` on x's device.
+
+    Args:
+        owner: the layer's name, for the message.
+        x: the attention's input.
+        key_padding_mask: True where a key is padding, or None.
+
+    Raises:
+        ValueError: naming the argument and what it must be.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"{owner}: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
+    if key_padding_mask is None:
+        return
+    if key_padding_mask.dtype != torch.bool:
+        raise ValueError(
+            f"{owner}: key_padding_mask must be bool (True where a key is padding), got {key_padding_mask.dtype}; "
+            "from a Hugging Face attention_mask (1 = attend) pass attention_mask == 0"
+        )
+    if tuple(key_padding_mask.shape) != tuple(x.shape[:2]) or key_padding_mask.device != x.device:
+        raise ValueError(
+            f"{owner}: key_padding_mask must be [batch, seq] = {tuple(x.shape[:2])} on {x.device}, got "
+            f"{tuple(key_padding_mask.shape)} on {key_padding_mask.device}"
+        )
 
 
 def sdpa_mask(key_padding_mask: torch.Tensor, q_len: int, causal: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -60,8 +89,10 @@ def _masked_softmax(
         z = z.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool, device=z.device).triu(1), float("-inf"))
     if key_padding_mask is not None:
         z = z.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
-    # zeros where every key is masked; a NaN score still makes its row NaN
-    return torch.softmax(z, dim=-1).masked_fill(torch.isneginf(z).all(dim=-1, keepdim=True), 0.0)
+    # zeros where every key is masked, with a finite softmax there so that its backward is
+    # zero too (not NaN); a NaN score still makes its row NaN
+    no_key = torch.isneginf(z).all(dim=-1, keepdim=True)
+    return torch.softmax(z.masked_fill(no_key, 0.0), dim=-1).masked_fill(no_key, 0.0)
 
 
 class SelfAttention(torch.nn.Module):
@@ -92,7 +123,8 @@ class SelfAttention(torch.nn.Module):
 
     Raises:
         ValueError: ``dim`` not a multiple of ``heads``, a dropout outside [0, 1), or an
-            unknown ``attn_implementation``.
+            unknown ``attn_implementation``; in forward, an ``x`` or ``key_padding_mask``
+            of the wrong shape, dtype or device (:func:`check_attention_inputs`).
 
     ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None, seed=None,
     attn_seed=None)``: ``x``
@@ -147,6 +179,7 @@ class SelfAttention(torch.nn.Module):
         seed: torch.Tensor | None = None,
         attn_seed: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        check_attention_inputs("SelfAttention", x, key_padding_mask)
         batch, seq, dim = x.shape
         p = self.attn_dropout if self.training else 0.0
         flash = self.fused and self.attn_implementation == "lstrain"

@@ -28,13 +28,16 @@ def add_norm(
         residual: the residual stream, shaped like ``x``.
         fused: one :func:`lstrain.ops.add_rms_norm`, or an add and ``norm``.
 
+    A norm of another class than torch's and lstrain's RMSNorm (a LayerNorm, a wrapper)
+    runs as a module after the add, fused or not.
+
     Returns:
         ``(normed, new_residual)``.
 
     Raises:
         ValueError: from :func:`lstrain.ops.add_rms_norm` (fused) for a bad input.
     """
-    if not fused:
+    if not (fused and _kernel_norm(norm)):
         residual = residual + x
         return norm(residual), residual
     dtype = torch.promote_types(x.dtype, residual.dtype)
@@ -128,9 +131,12 @@ class DecoderLayer(torch.nn.Module):
         with RecomputedNorms(enabled=self.fused and self.recompute_norms) as norms:
             if residual is None:
                 residual, normed = x, self.input_layernorm(x)
+                if type(self.input_layernorm) is lstrain.nn.RMSNorm:
+                    normed = norms.register(normed, _renorm(self.input_layernorm, residual))
             else:
                 normed, residual = add_norm(self.input_layernorm, x, residual, self.fused)
-            normed = norms.register(normed, _renorm(self.input_layernorm, residual))
+                if _kernel_norm(self.input_layernorm):
+                    normed = norms.register(normed, _renorm(self.input_layernorm, residual))
             if self._epilogue_norm(residual):
                 attn, norm, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
                 return linear_add_rms_norm_swiglu(
@@ -139,7 +145,8 @@ class DecoderLayer(torch.nn.Module):
                 )  # fmt: skip
             attn = self.self_attn(normed, cos, sin, key_padding_mask)
             normed, residual = add_norm(self.post_attention_layernorm, attn, residual, self.fused)
-            normed = norms.register(normed, _renorm(self.post_attention_layernorm, residual))
+            if _kernel_norm(self.post_attention_layernorm):
+                normed = norms.register(normed, _renorm(self.post_attention_layernorm, residual))
             return self.mlp(normed), residual
 
     def _epilogue_norm(self, residual: torch.Tensor) -> bool:
@@ -154,12 +161,19 @@ class DecoderLayer(torch.nn.Module):
         return (
             residual.dtype in (torch.float32, torch.bfloat16)  # the op's dtypes (fp16 would overflow)
             and all(t is None or t.dtype == residual.dtype for t in tensors)
+            and _kernel_norm(norm)
             and norm.weight is not None
             # the op stands in for the MLP module's forward: its hooks and options must not matter
             and type(mlp) is SwiGLU
             and not mlp.keep_activation
             and not (mlp._forward_hooks or mlp._forward_pre_hooks)
         )
+
+
+def _kernel_norm(norm: torch.nn.Module) -> bool:
+    """Whether ``norm`` is an RMSNorm whose output lstrain's RMSNorm kernels make (fused add
+    + norm, and the output made again in backward): torch's or lstrain's class itself."""
+    return type(norm) in (torch.nn.RMSNorm, lstrain.nn.RMSNorm)
 
 
 def _renorm(norm: lstrain.nn.RMSNorm, stream: torch.Tensor):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lstrain.layers.attention import sdpa_mask
+from lstrain.layers.attention import check_attention_inputs, sdpa_mask
 from lstrain.ops import linear, rope_qkv, rope_qkv_ref, rope_ref
 
 __all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
@@ -202,7 +202,13 @@ class RotaryAttention(torch.nn.Module):
         """The attention's output before ``o_proj``: ``[batch, seq, heads * head_dim]``
         (for a caller that folds the projection into what follows it, as
         :class:`lstrain.layers.DecoderLayer` does with ``norm_in_epilogue``). Arguments as
-        for ``forward``."""
+        for ``forward``.
+
+        Raises:
+            ValueError: an ``x`` that is not ``[batch, seq, dim]``, a ``key_padding_mask``
+                that is not bool ``[batch, seq]`` on x's device.
+        """
+        check_attention_inputs("RotaryAttention", x, key_padding_mask)
         batch, seq, _ = x.shape
         rotary = rope_qkv if self.fused else rope_qkv_torch
         q, k, v = rotary(self._project(self.qkv_proj, x), cos, sin, self.heads, self.kv_heads)

@@ -18,7 +18,10 @@ class SwiGLUMLP(torch.nn.Module):
     made the forward GEMM K-major, which the epilogue kernel ran slower). The state_dict
     uses the familiar keys and shapes: ``gate_proj.weight`` and
     ``up_proj.weight`` ``[F, D]``, ``down_proj.weight`` ``[D, F]`` — checkpoints of
-    HF-style MLPs load as they are.
+    HF-style MLPs load as they are. Unlike torch's state dicts, ``gate_proj.weight`` and
+    ``up_proj.weight`` are copies (the pair layout interleaves them; ``down_proj.weight``
+    is a view): write to the module through ``load_state_dict``, not into its state dict's
+    tensors (as an EMA that updates a state dict in place would).
 
     Args:
         hidden_size: D.

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from lstrain import _backend
-from lstrain.ops._lib.autocast import autocast_inputs
+from lstrain.ops._lib.autocast import autocast_inputs, loss_dtype
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv
 from lstrain.ops.cross_entropy import (
@@ -376,9 +376,10 @@ def linear_cross_entropy(
             None (default): with one chunk the weight's dtype (one GEMM, one rounding),
             else the fp32 buffer when it is no larger than one chunk's logits or there
             are more than ``MAX_16BIT_SUMS`` chunks.
-        out_dtype: the loss's dtype: None (default) hidden's, as ``F.cross_entropy`` of the
-            logits gives; ``torch.float32`` (or float64) the value the kernels reduced in
-            fp32, not rounded to 16 bits (what Hugging Face's models return).
+        out_dtype: the loss's dtype: None (default) what ``F.cross_entropy`` of the
+            logits gives: hidden's, or float32 under autocast; ``torch.float32`` (or
+            float64) the value the kernels reduced in fp32, not rounded to 16 bits (what
+            Hugging Face's models return).
 
     Returns:
         The loss in ``out_dtype`` (0-d for mean/sum, ``[tokens]`` for none).
@@ -390,8 +391,8 @@ def linear_cross_entropy(
     """
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise ValueError(f"linear_cross_entropy: out_dtype must be None or a floating dtype, got {out_dtype!r}")
+    out_dtype = out_dtype or loss_dtype(hidden)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
-    out_dtype = out_dtype or hidden.dtype
     label_smoothing, ignore_index, z_loss = _validate(
         hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, chunk_bytes
     )

@@ -166,3 +166,30 @@ def test_an_output_changed_in_place_or_an_unusual_tensor_is_saved_as_it_is():
         out = torch.sparse.mm(sparse, dense).sum() + (empty * 2).sum()
     out.backward()
     torch.testing.assert_close(dense.grad, torch.ones(4, 3, device=DEVICE))
+
+
+def test_a_norm_of_another_class_runs_as_its_module_in_the_fused_layer():
+    """A decoder layer whose norms are swapped for LayerNorms (bias included) computes what
+    the unfused layer computes: no RMSNorm kernel stands in for them, forward or backward."""
+    from lstrain.layers import DecoderLayer, rotary_cos_sin
+
+    torch.manual_seed(0)
+    dim = 32
+    cos, sin = rotary_cos_sin(torch.arange(6, device=DEVICE), 8, 1e4, torch.float32)
+    layers = {fused: DecoderLayer(dim, 4, 2, 8, 48, fused=fused, device=DEVICE) for fused in (True, False)}
+    layers[False].load_state_dict(layers[True].state_dict())
+    for layer in layers.values():
+        torch.manual_seed(1)  # the same random weights and biases in both layers
+        layer.input_layernorm = torch.nn.LayerNorm(dim, device=DEVICE)
+        layer.post_attention_layernorm = torch.nn.LayerNorm(dim, device=DEVICE)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            torch.nn.init.normal_(norm.weight)
+            torch.nn.init.normal_(norm.bias)
+    x, stream = (torch.randn(2, 6, dim, device=DEVICE, requires_grad=True) for _ in range(2))
+    results = {}
+    for fused, layer in layers.items():
+        out, residual = layer(x, cos, sin, residual=stream)
+        grads = torch.autograd.grad((out.square().sum() + residual.sum()), (x, stream))
+        results[fused] = (out, residual, *grads)
+    for a, b in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -222,3 +222,27 @@ def test_the_plain_attention_softmax_keeps_a_nan_and_zeroes_rows_without_keys():
     assert probs[0, 0, 1].isnan().all()  # NaN in gives NaN out, as the fused softmax and SDPA
     assert not probs[0, 0, [0, 2]].isnan().any()
     assert torch.equal(probs[1], torch.zeros_like(probs[1]))
+    # a row without keys passes a zero gradient back, not NaN (the fused softmax's too)
+    scores.requires_grad_()
+    (grad,) = torch.autograd.grad(_masked_softmax(scores, 0.5, padding, torch.zeros_like(bias), False).sum(), scores)
+    assert torch.equal(grad[1], torch.zeros_like(grad[1])) and grad.isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "x_shape, mask, match",
+    [
+        ((6, 32), None, r"x must be \[batch, seq, dim\], got shape \(6, 32\)"),
+        ((2, 6, 32), torch.ones(2, 6, dtype=torch.long), "key_padding_mask must be bool .* got torch.int64"),
+        ((2, 6, 32), torch.zeros(2, 5, dtype=torch.bool), r"key_padding_mask must be \[batch, seq\] = \(2, 6\)"),
+    ],
+)
+def test_bad_attention_inputs_are_named(x_shape, mask, match):
+    from lstrain.layers import RotaryAttention, rotary_cos_sin
+
+    x = torch.randn(x_shape, device=DEVICE)
+    mask = None if mask is None else mask.to(DEVICE)
+    with pytest.raises(ValueError, match="SelfAttention: " + match):
+        SelfAttention(32, 4, device=DEVICE)(x, x, key_padding_mask=mask)
+    cos, sin = rotary_cos_sin(torch.arange(6, device=DEVICE), 8, 1e4, torch.float32)
+    with pytest.raises(ValueError, match="RotaryAttention: " + match):
+        RotaryAttention(32, 4, 2, 8, device=DEVICE)(x, cos, sin, key_padding_mask=mask)

@@ -71,11 +71,31 @@ def test_linear_cross_entropy_with_fp32_weight(bias):
         loss = ops.linear_cross_entropy(hidden, weight, target, b)
     expected = ops.linear_cross_entropy(
         hidden.to(AUTOCAST_DTYPE), weight.detach().to(AUTOCAST_DTYPE), target,
-        None if b is None else b.detach().to(AUTOCAST_DTYPE),
+        None if b is None else b.detach().to(AUTOCAST_DTYPE), out_dtype=torch.float32,
     )  # fmt: skip
-    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(loss, expected)  # in float32, as torch's loss under autocast
     loss.float().backward()
     assert weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_losses_are_float32_under_autocast_as_torchs(reduction):
+    """torch's autocast runs its losses in float32; the fused losses give the fp32 value
+    their kernels reduced, not one rounded to 16 bits."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 11, generator=gen).to(DEVICE, AUTOCAST_DTYPE).requires_grad_()
+    target = torch.randint(0, 11, (6,), generator=gen).to(DEVICE)
+    with _autocast():
+        expected = torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
+        loss = ops.cross_entropy(logits, target, reduction=reduction)
+        module = lnn.CrossEntropyLoss(reduction=reduction)(logits, target)
+    assert loss.dtype == module.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(loss, ops.cross_entropy(logits, target, reduction=reduction, out_dtype=torch.float32))
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    assert grad.dtype == AUTOCAST_DTYPE
+    assert ops.cross_entropy(logits, target, reduction=reduction).dtype == AUTOCAST_DTYPE  # outside autocast
+    with pytest.raises(ValueError, match="cross_entropy: out_dtype must be None or a floating dtype"):
+        ops.cross_entropy(logits, target, out_dtype=torch.int32)
 
 
 def test_float64_is_not_cast():

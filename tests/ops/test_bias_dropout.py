@@ -334,6 +334,15 @@ def test_modules(device):
     torch.testing.assert_close(tail(x, residual), x + residual)
     torch.testing.assert_close(mlp(x), torch.nn.functional.gelu(x, approximate="tanh"))
     assert "activation='gelu_tanh'" in repr(mlp)
+    # dtypes as torch's promotion gives them: a bf16 x, an fp32 bias or stream give fp32
+    half = x.bfloat16()
+    assert tail(half, residual).dtype == (residual + (half + tail.bias)).dtype == torch.float32
+    assert mlp(half).dtype == torch.float32
+    torch.testing.assert_close(tail(half, residual), residual + half.float())
+    for module, args in ((tail, (x[:, :7], residual[:, :7])), (mlp, (x[:, :7],))):
+        module.bias = None
+        with pytest.raises(ValueError, match=r"x's last dim must be features \(12\), got shape \(2, 7\)"):
+            module(*args)
 
 
 def test_torch_compile_fullgraph(device):

@@ -3,16 +3,40 @@
 Inside an autocast region torch runs a matmul in the region's dtype, whatever its inputs'
 dtypes (fp32 parameters included); these ops do the same, by casting their floating-point
 inputs first. The casts are differentiable, so gradients reach fp32 parameters in fp32.
-The other ops compute in fp32 inside their kernels and run in their inputs' dtype.
+The other ops compute in fp32 inside their kernels and run in their inputs' dtype, but for
+the losses, which give fp32 under autocast as torch's do (``loss_dtype``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["autocast_inputs"]
+__all__ = ["autocast_inputs", "loss_dtype"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
+
+
+def _autocast_on(device_type: str) -> bool:
+    # Autocast knows cpu, cuda and a few others; a device it does not (meta) makes
+    # is_autocast_enabled raise, and the op's own checks then name the misplaced tensor.
+    # (torch.amp.is_autocast_available would say so too, but torch.compile cannot trace it.)
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+
+
+def loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype of a loss over ``logits`` as torch gives it: float32 inside an autocast
+    region (autocast runs torch's losses in float32), else the logits' own.
+
+    Args:
+        logits: the loss's input (logits, or the hidden states of a fused head).
+
+    Returns:
+        ``torch.float32`` under autocast for ``logits``' device (float64 stays), else
+        ``logits.dtype``.
+    """
+    if _autocast_on(logits.device.type):
+        return torch.promote_types(logits.dtype, torch.float32)
+    return logits.dtype
 
 
 def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -27,10 +51,7 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
         unchanged (as on a device autocast does not support, such as meta).
     """
     device_type = next(t.device.type for t in tensors if t is not None)
-    # Autocast knows cpu, cuda and a few others; a device it does not (meta) makes
-    # is_autocast_enabled raise, and the op's own checks then name the misplaced tensor.
-    # (torch.amp.is_autocast_available would say so too, but torch.compile cannot trace it.)
-    if device_type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
+    if not _autocast_on(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     # as torch's autocast: float64 is not cast

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from lstrain import _backend
+from lstrain.ops._lib.autocast import loss_dtype
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows
@@ -261,7 +262,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward, out_dtype):
         options = (label_smoothing, ignore_index, z_loss)
         needs_grad = ctx.needs_input_grad[0]
         grad_scale = reduction if needs_grad and reduction != "none" else None
@@ -285,16 +286,16 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, target, stats)
         if reduction == "none":
             return loss.view(target.shape)
-        return reduce_row_losses(loss, valid_rows, logits.dtype)
+        return reduce_row_losses(loss, valid_rows, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_create_graph("cross_entropy")
         if ctx.reduction == "none":
             logits, target, stats = ctx.saved_tensors
-            return recompute_gradient(grad_loss, logits, target, stats, ctx.options), None, None, None, None, None, None
+            return recompute_gradient(grad_loss, logits, target, stats, ctx.options), *[None] * 7
         (grad,) = ctx.saved_tensors
-        return rescale_gradient(grad, grad_loss), None, None, None, None, None, None
+        return rescale_gradient(grad, grad_loss), *[None] * 7
 
 
 def _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss) -> tuple[float, int, float]:
@@ -371,6 +372,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     inplace_backward: bool = False,
     check_targets: bool | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Cross-entropy with label smoothing and z-loss; the gradient comes from the same pass.
 
@@ -403,20 +405,27 @@ def cross_entropy(
             ignore_index. Default: on for CPU tensors, off for CUDA, where the check
             would synchronise with the host; never inside torch.compile. Unchecked bad
             targets give NaN loss and gradient for their rows (never a read outside the row).
+        out_dtype: the loss's dtype: None (default) what ``F.cross_entropy`` gives: the
+            logits', or float32 under autocast (which runs torch's losses in float32);
+            ``torch.float32`` the value the kernels reduced, not rounded to 16 bits.
 
     Returns:
-        The loss in the logits' dtype: a 0-d tensor for mean/sum, else shaped like target.
+        The loss in ``out_dtype``: a 0-d tensor for mean/sum, else shaped like target.
 
     Raises:
         ValueError: logits not 2-D/3-D or not a float type, target of the wrong shape,
             dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
             z_loss that is negative or not finite, an ignore_index that is no integer, V = 0,
-            or (when checked) a target out of range. The numbers may be Python or numpy
+            an ``out_dtype`` that is no floating dtype, or (when checked) a target out of
+            range. The numbers may be Python or numpy
             scalars or 0-d CPU tensors; a CUDA tensor is refused (reading it would sync).
         RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad
             (or a view of one), with grad mode on (eager mode).
     """
     label_smoothing, ignore_index, z_loss = _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"cross_entropy: out_dtype must be None or a floating dtype, got {out_dtype!r}")
+    out_dtype = out_dtype or loss_dtype(logits)
     check = check_targets if check_targets is not None else not logits.is_cuda
     if check and not torch.compiler.is_compiling():
         check_target_range("cross_entropy", target, logits.shape[-1], ignore_index)
@@ -430,15 +439,15 @@ def cross_entropy(
             ignore_index=ignore_index,
             reduction=reduction,
             z_loss=z_loss,
-        )
+        ).to(out_dtype)
     if not torch.is_grad_enabled():  # nothing will be differentiated: no gradient in forward
         logits = logits.detach()
     elif inplace_backward and not torch.compiler.is_compiling():
         refuse_leaf_overwrite(logits)
     loss = CrossEntropyFunction.apply(
-        logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward
+        logits, target, label_smoothing, ignore_index, z_loss, reduction, inplace_backward, out_dtype
     )
-    return loss.to(logits.dtype)  # a reduced loss is in that dtype already, outside torch.compile
+    return loss.to(out_dtype)  # a reduced loss is in that dtype already, outside torch.compile
 
 
 def cross_entropy_ref(
