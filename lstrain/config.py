@@ -95,7 +95,12 @@ def _from_override(value: _Override, hint: Any, where: str) -> Any:
         return None
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if str in options:
-        return value.text
+        # a quoted TOML string gives its contents (spaces included: prompt="def "); other text is taken as it is
+        try:
+            parsed = _toml().loads(f"value = {value.text}")["value"]
+        except Exception:  # noqa: BLE001  (not a TOML value: plain text)
+            return value.text
+        return parsed if isinstance(parsed, str) else value.text
     try:
         return _toml().loads(f"value = {value.text}")["value"]
     except Exception as error:  # not a TOML value: say what the field takes

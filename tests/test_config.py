@@ -141,6 +141,9 @@ def test_overrides_are_typed_by_their_field():
     assert run.sample.prompt == "def main"
     assert run.data.max_bytes is None
     assert run.model.fields == {"n_layer": 3}
+    # a quoted string gives its contents, spaces and all, as the recipe's own prompt = "def "
+    quoted = parse_recipe({}, ['sample.prompt="def "', "data.cache_dir='/tmp/x'"])
+    assert quoted.sample.prompt == "def " and quoted.data.cache_dir == "/tmp/x"
 
 
 def test_bad_overrides():

@@ -53,11 +53,18 @@ def run(args: argparse.Namespace) -> int:
     from lstrain.config import RecipeError, load_recipe
     from lstrain.train import train
 
+    resume, recipe_name = args.resume, args.recipe
+    if isinstance(resume, str) and resume.endswith(".toml") and recipe_name is None:
+        # `--resume my.toml`: argparse took the recipe for --resume's folder
+        resume, recipe_name = True, resume
+    if getattr(args, "allow_batch_change", False) and not resume:
+        print("lstrain train: --allow-batch-change applies to a resumed run: pass --resume too", file=sys.stderr)
+        return 2
     try:
-        recipe = load_recipe(resolve_recipe(args.recipe), args.set or [])
+        recipe = load_recipe(resolve_recipe(recipe_name), args.set or [])
         train(
             recipe,
-            resume=args.resume,
+            resume=resume,
             progress=not args.no_progress,
             allow_batch_change=getattr(args, "allow_batch_change", False),
         )

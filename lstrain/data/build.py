@@ -94,6 +94,8 @@ class Data:
 
 
 def _check_config(config: DataConfig, seq_len: int) -> None:
+    if not isinstance(config.source, str) or not config.source.strip():
+        raise ValueError(f"source: {config.source!r} names no corpus (a text file, a folder, shards or python-stdlib)")
     if config.tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer: {config.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
     if config.tokenizer == "bpe" and config.vocab_size < MIN_BPE_VOCAB:
@@ -122,8 +124,11 @@ def _cache_entry(config: DataConfig, files: list[CorpusFile]) -> Path:
     }
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     vocab = config.vocab_size if config.tokenizer == "bpe" else ByteTokenizer.vocab_size
-    root = Path(config.cache_dir).expanduser() if config.cache_dir else Path("~/.cache/lstrain").expanduser()
-    return root / "data" / f"{config.tokenizer}-{vocab}-{digest}"
+    return _cache_root(config) / "data" / f"{config.tokenizer}-{vocab}-{digest}"
+
+
+def _cache_root(config: DataConfig) -> Path:
+    return Path(config.cache_dir).expanduser() if config.cache_dir else Path("~/.cache/lstrain").expanduser()
 
 
 def _tokenize(files: list[CorpusFile], tokenizer: Tokenizer, path: Path, dtype: type) -> int:
@@ -220,12 +225,17 @@ def build_data(config: DataConfig, seq_len: int, seed: int = 0, mlm: bool = Fals
 
     Raises:
         FileNotFoundError: a source path that does not exist, or shards without meta.json.
-        ValueError: a bad option (tokenizer name, vocab_size below the BPE's bytes and
-            specials, val_fraction, seq_len, max_predictions_per_seq), an empty corpus, a
-            split shorter than one sequence, shards that do not match their dtype or
-            vocabulary, MLM without a mask id.
+        ValueError: an empty source, a bad option (tokenizer name, vocab_size below the
+            BPE's bytes and specials, val_fraction, seq_len, max_predictions_per_seq, the
+            latter without ``mlm``), an empty corpus, a split shorter than one sequence,
+            shards that do not match their dtype or vocabulary, MLM without a mask id.
     """
     _check_config(config, seq_len)
+    if not mlm and config.max_predictions_per_seq is not None:
+        raise ValueError(
+            f"max_predictions_per_seq: {config.max_predictions_per_seq} is for masked LM (BERT); this data is causal "
+            "(leave it unset)"
+        )
     if config.source != PYTHON_STDLIB and not Path(config.source).expanduser().exists():
         raise FileNotFoundError(f"source: {config.source!r} does not exist (and is not {PYTHON_STDLIB!r})")
     cache_path, from_cache = None, False
@@ -234,7 +244,7 @@ def build_data(config: DataConfig, seq_len: int, seed: int = 0, mlm: bool = Fals
         tokenizer = shards.tokenizer
         train, val = (shards.train, shards.val) if shards.val is not None else _split(shards.train, config.val_fraction)
     else:
-        files = select_files(config.source, config.max_bytes)
+        files = select_files(config.source, config.max_bytes, skip=_cache_root(config))
         cache_path = _cache_entry(config, files)
         from_cache = (cache_path / "meta.json").is_file()
         if not from_cache:

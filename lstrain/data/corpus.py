@@ -58,14 +58,17 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def _text_files(directory: Path) -> list[Path]:
-    """Text files below ``directory``, hidden files and folders (.git) skipped."""
+def _text_files(directory: Path, skip: Path | None = None) -> list[Path]:
+    """Text files below ``directory``, hidden files and folders (.git) and anything under
+    ``skip`` (the data cache, whose tokenizer files would otherwise join the corpus) left out."""
+    skip = None if skip is None else skip.resolve()
     return [
         p
         for p in directory.rglob("*")
         if p.suffix.lower() in TEXT_SUFFIXES
         and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+        and not (skip is not None and p.resolve().is_relative_to(skip))
     ]
 
 
@@ -74,12 +77,13 @@ def _ordered(paths: list[Path], root: Path) -> list[Path]:
     return sorted(paths, key=lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest())
 
 
-def select_files(source: str, max_bytes: int | None) -> list[CorpusFile]:
+def select_files(source: str, max_bytes: int | None, skip: Path | None = None) -> list[CorpusFile]:
     """The files a text source reads, in reading order, capped at ``max_bytes`` in all.
 
     Args:
         source: ``"python-stdlib"``, a text file or a directory of text files.
         max_bytes: the most bytes read in all, or None for everything.
+        skip: a folder whose files a directory source leaves out (the data cache).
 
     Returns:
         The files with their sizes; empty files are left out.
@@ -96,7 +100,7 @@ def select_files(source: str, max_bytes: int | None) -> list[CorpusFile]:
         root = Path(source).expanduser()
         if not root.exists():
             raise FileNotFoundError(f"source: {source!r} does not exist (and is not {PYTHON_STDLIB!r})")
-        paths = [root] if root.is_file() else _text_files(root)
+        paths = [root] if root.is_file() else _text_files(root, skip)
         where = f"source {source!r}"
         root = root.parent if root.is_file() else root
     selected, total = [], 0
@@ -119,7 +123,8 @@ def read_documents(files: list[CorpusFile]) -> Iterator[list[str]]:
     """Each file's text as one document, in pieces of about ``PIECE_BYTES``.
 
     Invalid UTF-8 (a Latin-1 test file of the standard library, a cut through a character at
-    ``max_bytes``) becomes U+FFFD rather than an error.
+    ``max_bytes``) becomes U+FFFD rather than an error; a piece without a newline ends
+    before a character, never inside one.
 
     Args:
         files: from ``select_files``.
@@ -135,7 +140,11 @@ def read_documents(files: list[CorpusFile]) -> Iterator[list[str]]:
             end = start + PIECE_BYTES
             if end < len(data):
                 newline = data.rfind(b"\n", start, end)
-                end = newline + 1 if newline >= start else end
+                if newline >= start:
+                    end = newline + 1
+                else:  # no newline: cut before a character, not inside one (continuation bytes 10xxxxxx)
+                    while end > start + 1 and data[end] & 0xC0 == 0x80:
+                        end -= 1
             pieces.append(data[start:end].decode("utf-8", errors="replace"))
             start = end
         yield pieces

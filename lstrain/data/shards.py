@@ -56,7 +56,12 @@ def _read_meta(path: Path) -> dict:
     if not path.is_file():
         example = '{"dtype": "uint16", "vocab_size": 50257, "eos_id": 50256}'
         raise FileNotFoundError(f"token shards need {path} giving their dtype and vocabulary, e.g. {example}")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object of the shards' dtype and vocabulary, got {meta!r}")
     unknown = sorted(set(meta) - _META_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(_META_KEYS))}")
@@ -87,7 +92,8 @@ def _open_shard(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
     if int(sample.max()) >= vocab_size:
         raise ValueError(
             f"{path}: token {int(sample.max())} >= vocab_size {vocab_size}: dtype mismatch "
-            f"(written as uint16, read as {dtype}?) or a wrong vocab_size in {META_FILE}"
+            f"{'(written as uint16, read as uint32?) ' if dtype == 'uint32' else ''}or a wrong vocab_size in "
+            f"{META_FILE}"
         )
     # uint32 ids read as uint16 leave every odd uint16 (the little-endian high halves) zero.
     if dtype == "uint16" and len(sample) >= 64 and not sample[1::2].any() and sample[0::2].any():
@@ -125,7 +131,12 @@ def open_shards(source: str) -> ShardSet:
         tokenizer_path = directory / meta["tokenizer"]
         if not tokenizer_path.is_file():
             raise FileNotFoundError(f"{directory / META_FILE}: tokenizer {tokenizer_path} does not exist")
-        tokenizer: Tokenizer = BPETokenizer.from_file(tokenizer_path, **special)
+        try:
+            tokenizer: Tokenizer = BPETokenizer.from_file(tokenizer_path, **special)
+        except ValueError:
+            raise
+        except Exception as error:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{tokenizer_path}: not a tokenizers tokenizer.json ({error})") from None
         if tokenizer.vocab_size > meta["vocab_size"]:
             raise ValueError(f"{tokenizer_path}: {tokenizer.vocab_size} ids, more than vocab_size {meta['vocab_size']}")
         tokenizer.vocab_size = meta["vocab_size"]  # the model's size; a padded vocabulary is allowed

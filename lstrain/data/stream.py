@@ -14,6 +14,8 @@ MLM masking draws from (seed, split, g) too, so a row is masked alike whichever 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -161,14 +163,21 @@ class TokenStream:
         self.shards = [s for s in shards if len(s) >= seq_len]
         self.seq_len, self.seed, self.split = seq_len, seed, split
         self.tokenizer, self.mlm_probability = tokenizer, mlm_probability
-        self.tokens = int(sum(len(s) for s in shards))
+        self.tokens = int(sum(len(s) for s in self.shards))
         # first sequence index of each shard, and the total as the last entry
         self._first = np.cumsum([0] + [len(s) // seq_len for s in self.shards])
         self.sequences = int(self._first[-1])
+        all_tokens = int(sum(len(s) for s in shards))
         if self.sequences == 0:
             raise ValueError(
-                f"the {split} split has {self.tokens} tokens, shorter than one sequence of seq_len {seq_len}: "
-                "read more text (max_bytes), shorten seq_len, or change val_fraction"
+                f"the {split} split has {all_tokens} tokens in {len(shards)} shard(s), each shorter than one sequence "
+                f"of seq_len {seq_len}: read more text (max_bytes), shorten seq_len, or change val_fraction"
+            )
+        if all_tokens - self.tokens > all_tokens // 10:
+            warnings.warn(
+                f"the {split} split uses {self.tokens} of its {all_tokens} tokens: "
+                f"{len(shards) - len(self.shards)} shard(s) shorter than one sequence of seq_len {seq_len} are skipped",
+                stacklevel=2,
             )
         if mlm_probability is not None and tokenizer.mask_id is None:
             raise ValueError("mlm: the tokenizer has no mask id (token shards: give mask_id in meta.json)")

@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "data_mismatch",
+    "data_splits",
     "find_checkpoint",
     "list_checkpoints",
     "load_trainer_state",
@@ -222,18 +223,23 @@ def data_mismatch(state: dict[str, Any], position: dict[str, int]) -> str | None
     )
 
 
-def run_mismatch(state: dict[str, Any], seed: int, tokenizer_fingerprint: str) -> str | None:
+def run_mismatch(
+    state: dict[str, Any], seed: int, tokenizer_fingerprint: str, splits: dict[str, Any] | None = None
+) -> str | None:
     """What a checkpoint was trained with that a resumed run would change without a word:
-    the seed (the data order and the dropout masks) or the tokenizer (what the ids mean).
+    the seed (the data order and the dropout masks), the tokenizer (what the ids mean) or
+    the data's splits (another source, size or val_fraction reorders the training data and
+    may train on what was validation; other masking settings change the MLM targets).
 
     Args:
         state: the checkpoint's trainer state (:func:`load_trainer_state`).
         seed: the run's ``training.seed``.
         tokenizer_fingerprint: the run's tokenizer's ``fingerprint()``.
+        splits: the run's data splits as :func:`data_splits` describes them.
 
     Returns:
         What differs, or None. A checkpoint written before the trainer state held the
-        tokenizer's fingerprint is compared by its seed only.
+        tokenizer's fingerprint or the splits is compared by what it holds.
     """
     saved_seed = state["run"]["training"]["seed"]
     if saved_seed != seed:
@@ -241,4 +247,33 @@ def run_mismatch(state: dict[str, Any], seed: int, tokenizer_fingerprint: str) -
     saved = state.get("tokenizer")
     if saved is not None and saved != tokenizer_fingerprint:
         return "another tokenizer (this run's [data] trains or loads a different one: the ids mean other text)"
+    saved = state.get("splits")
+    if saved is not None and splits is not None and saved != splits:
+        changed = ", ".join(
+            f"{key} {saved.get(key)} (this run: {splits.get(key)})" for key in splits if saved.get(key) != splits[key]
+        )
+        return (
+            f"other data: {changed}; another source, max_bytes or val_fraction reorders the training data and may "
+            "train on what was validation"
+        )
     return None
+
+
+def data_splits(data: Any) -> dict[str, Any]:
+    """What identifies a run's data beyond its tokenizer: the tokens of its train and
+    validation splits and its masking settings (None for causal data); not seq_len, which
+    the data position compares (:func:`data_mismatch`).
+
+    Args:
+        data: the run's data (``tokenizer``, ``train`` and ``val`` token streams).
+
+    Returns:
+        A dict of plain values, stored in the trainer state and compared at a resume.
+    """
+    # getattr: data of the caller's own making may not describe itself (then None, compared as such)
+    return {
+        "train_tokens": getattr(data.train, "tokens", None),
+        "val_tokens": getattr(data.val, "tokens", None),
+        "mlm_probability": getattr(data.train, "mlm_probability", None),
+        "max_predictions_per_seq": getattr(data.train, "max_predictions_per_seq", None),
+    }

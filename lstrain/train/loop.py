@@ -498,7 +498,8 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
         if mismatch:
             raise ValueError(f"--resume: {start_checkpoint} holds another model: {'; '.join(mismatch)}")
         state = ckpt.load_trainer_state(start_checkpoint)
-        if (differs := ckpt.run_mismatch(state, training.seed, data.tokenizer.fingerprint())) is not None:
+        differs = ckpt.run_mismatch(state, training.seed, data.tokenizer.fingerprint(), ckpt.data_splits(data))
+        if differs is not None:
             raise ValueError(f"--resume: {start_checkpoint} was trained with {differs}; resume with its settings")
         changed = ckpt.data_mismatch(state, _data_position(training, world.size, accumulation))
         if changed and not allow_batch_change:
@@ -609,6 +610,7 @@ def _train(run: RunConfig, world: _World, resume, data, progress: bool, echo, al
             "data_step": step * accumulation,
             "data": _data_position(training, world.size, accumulation),
             "tokenizer": data.tokenizer.fingerprint(),
+            "splits": ckpt.data_splits(data),
             **stepper_state,
             "scheduler": {"step": step, "total_steps": training.steps},
             "rng": _rng_state(),

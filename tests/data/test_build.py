@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import lstrain.data.build as build
+import lstrain.data.corpus as corpus
 from lstrain.data import DataConfig, build_data
 
 
@@ -97,6 +98,7 @@ def test_a_changed_file_is_tokenized_again(tmp_path):
     ("changes", "error", "match"),
     [
         ({"source": "/no/such/corpus"}, FileNotFoundError, "source: '/no/such/corpus' does not exist"),
+        ({"source": " "}, ValueError, "source: ' ' names no corpus"),
         ({"tokenizer": "wordpiece"}, ValueError, "tokenizer: 'wordpiece' is not one of bpe, byte"),
         ({"vocab_size": 100}, ValueError, "vocab_size: 100 is below 259"),
         ({"val_fraction": 0.0}, ValueError, "val_fraction: 0.0 is not in"),
@@ -134,3 +136,23 @@ def test_a_split_shorter_than_one_sequence_is_an_error(tmp_path, size, split):
     # 1000 bytes: 951 training tokens hold a sequence of 128, the 50 validation ones do not
     with pytest.raises(ValueError, match=f"the {split} split has .* shorter than one sequence of seq_len 128"):
         build_data(config, seq_len=128)
+
+
+def test_a_line_longer_than_a_piece_is_cut_between_characters(tmp_path, monkeypatch):
+    """A file without newlines is read in pieces cut at a byte count: never inside a
+    multi-byte character (it became two U+FFFD in the corpus)."""
+    monkeypatch.setattr(corpus, "PIECE_BYTES", 7)
+    text = "a" + "é" * 40 + "€" * 20
+    (tmp_path / "one_line.txt").write_text(text, encoding="utf-8")
+    data = build_data(DataConfig(str(tmp_path / "one_line.txt"), "byte", cache_dir=str(tmp_path / "cache")), seq_len=8)
+    stored = np.memmap(data.cache_path / "tokens.bin", dtype=np.uint16, mode="r")
+    assert data.tokenizer.decode(stored[:-1].tolist()) == text
+
+
+def test_a_cache_inside_the_source_folder_is_not_read_as_corpus(tmp_path):
+    names = _write_texts(tmp_path / "texts")
+    config = DataConfig(str(tmp_path / "texts"), "bpe", vocab_size=300, cache_dir=str(tmp_path / "texts" / "cache"))
+    first = build_data(config, seq_len=16)
+    second = build_data(config, seq_len=16)  # the first build's tokenizer.json / meta.json now sit in the source
+    assert second.from_cache and second.cache_path == first.cache_path
+    assert {os.path.basename(f) for f in json.loads((second.cache_path / "meta.json").read_text())["files"]} == names

@@ -108,5 +108,32 @@ def test_mlm_on_shards_needs_a_mask_id(tmp_path):
 def test_shards_shorter_than_one_sequence_are_an_error(tmp_path):
     arrays = {"train.bin": np.arange(100, dtype=np.uint16), "val.bin": np.arange(5, dtype=np.uint16)}
     source = _write(tmp_path, arrays, {"dtype": "uint16", "vocab_size": 100})
-    with pytest.raises(ValueError, match="the val split has 5 tokens, shorter than one sequence of seq_len 8"):
+    with pytest.raises(ValueError, match=r"the val split has 5 tokens in 1 shard\(s\), each shorter than one sequence"):
+        build_data(DataConfig(source), seq_len=8)
+
+
+def test_shards_shorter_than_one_sequence_are_skipped_and_said(tmp_path):
+    arrays = {f"train_{i}.bin": np.arange(5, dtype=np.uint16) for i in range(9)}
+    arrays["train_9.bin"] = np.arange(16, dtype=np.uint16)
+    arrays["val.bin"] = np.arange(16, dtype=np.uint16)
+    source = _write(tmp_path, arrays, {"dtype": "uint16", "vocab_size": 100})
+    with pytest.warns(UserWarning, match="the train split uses 16 of its 61 tokens: 9 shard"):
+        data = build_data(DataConfig(source), seq_len=8)
+    assert (data.train.tokens, data.train.sequences) == (16, 2)
+
+
+@pytest.mark.parametrize(
+    ("meta_text", "tokenizer_text", "match"),
+    [
+        ("{dtype: uint16}", None, r"meta.json: not valid JSON"),
+        ('["uint16"]', None, r"meta.json: expected a JSON object"),
+        ('{"dtype": "uint16", "vocab_size": 200, "tokenizer": "t.json"}', "{1: 2}", r"t.json: not a tokenizers"),
+    ],
+)
+def test_corrupt_shard_metadata_names_the_file(tmp_path, meta_text, tokenizer_text, match):
+    source = _write(tmp_path, {"train.bin": U16, "val.bin": U16}, None)
+    (tmp_path / "meta.json").write_text(meta_text)
+    if tokenizer_text is not None:
+        (tmp_path / "t.json").write_text(tokenizer_text)
+    with pytest.raises(ValueError, match=match):
         build_data(DataConfig(source), seq_len=8)

@@ -66,8 +66,9 @@ def test_ranks_take_contiguous_rows_of_the_global_batch(stdlib_config, mlm):
 
 def test_shards_do_not_join_into_one_sequence():
     shards = [np.full(10, 5, dtype=np.uint16), np.full(7, 6, dtype=np.uint16), np.full(3, 7, dtype=np.uint16)]
-    stream = TokenStream(shards, 4, 0, "train", ByteTokenizer())
-    assert stream.sequences == 2 + 1 and stream.tokens == 20
+    with pytest.warns(UserWarning, match="uses 17 of its 20 tokens: 1 shard"):
+        stream = TokenStream(shards, 4, 0, "train", ByteTokenizer())
+    assert stream.sequences == 2 + 1 and stream.tokens == 17  # the tokens of the shards read
     rows = stream.batch(0, 3)["input_ids"]
     assert sorted(int(r[0]) for r in rows) == [5, 5, 6] and all(len(set(r.tolist())) == 1 for r in rows)
 
@@ -186,11 +187,12 @@ def test_fixed_masking_selects_exactly_round_p_candidates_per_row(stdlib_config)
     assert _equal(batch, {k: torch.cat([p[k] for p in parts]) for k in batch})
 
 
-def test_fixed_masking_caps_at_max_predictions_and_is_mlm_only(stdlib_config):
+def test_fixed_masking_caps_at_max_predictions_and_is_refused_for_causal_lm(stdlib_config):
     config = dataclasses.replace(stdlib_config, max_predictions_per_seq=3)
     batch = build_data(config, seq_len=64, mlm=True).train.batch(0, 8)
     assert ((batch["labels"] != IGNORE_INDEX).sum(1) == 3).all() and (batch["masked_labels"] != IGNORE_INDEX).all()
-    assert "masked_positions" not in build_data(config, seq_len=64).train.batch(0, 2)  # causal LM ignores it
+    with pytest.raises(ValueError, match="max_predictions_per_seq: 3 is for masked LM .* this data is causal"):
+        build_data(config, seq_len=64)  # set but meaningless for causal LM: refused, not ignored
     for bad, message in [(0, "is not a positive integer"), (65, "max_predictions_per_seq: 65 exceeds seq_len 64")]:
         with pytest.raises(ValueError, match=message):
             build_data(dataclasses.replace(stdlib_config, max_predictions_per_seq=bad), seq_len=64, mlm=True)

@@ -1,6 +1,7 @@
 """``[model] name = "bert"``: a micro BERT trained by the loop (MLM, fixed masked positions),
 its HF checkpoints, exact resume, the data-position check on resume, and bad input."""
 
+import dataclasses
 import json
 
 import pytest
@@ -152,7 +153,8 @@ def test_bad_bert_input_is_refused_before_any_step(tmp_path, case):
     else:
         from lstrain.data import build_data
 
-        kwargs["data"] = build_data(run.data, seq_len=32, mlm=False)
+        causal = dataclasses.replace(run.data, max_predictions_per_seq=None)  # a GPT-2 recipe's data section
+        kwargs["data"] = build_data(causal, seq_len=32, mlm=False)
     before = sorted(p.name for p in (tmp_path / "checkpoints").glob("*"))
     with pytest.raises(expected[0], match=expected[1]):
         train(run, progress=False, echo=_quiet, **kwargs)

@@ -81,3 +81,14 @@ def test_allow_batch_change_reaches_train(tmp_path, monkeypatch):
     monkeypatch.setattr("lstrain.train.train", lambda run, **kwargs: seen.update(kwargs))
     assert cli.main(["train", str(_recipe(tmp_path)), "--resume", "--allow-batch-change", "--no-progress"]) == 0
     assert seen["resume"] is True and seen["allow_batch_change"] is True
+
+
+def test_resume_before_the_recipe_takes_the_recipe_and_batch_change_needs_resume(tmp_path, monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr("lstrain.train.train", lambda run, **kwargs: seen.update(kwargs, steps=run.training.steps))
+    recipe = str(_recipe(tmp_path))
+    assert cli.main(["train", "--resume", recipe, "--set", "training.steps=7", "--no-progress"]) == 0
+    assert seen["resume"] is True and seen["steps"] == 7  # the recipe given, not the default one
+    seen.clear()
+    assert cli.main(["train", recipe, "--allow-batch-change", "--no-progress"]) == 2
+    assert "--allow-batch-change applies to a resumed run" in capsys.readouterr().err and not seen

@@ -58,7 +58,7 @@ def test_two_ranks_agree_with_one_process_over_the_global_batch(tmp_path, family
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     for folder in (ddp, single):  # the tokenized corpus cached before the ranks start
         run = make(folder, steps=STEPS)
-        build_data(run.data, seq_len=run.training.seq_len, seed=run.training.seed)
+        build_data(run.data, seq_len=run.training.seq_len, seed=run.training.seed, mlm=run.model.family.mlm)
     mp.spawn(_rank, args=(2, _free_port(), str(ddp), family), nprocs=2, join=True)
     ranks = [torch.load(ddp / f"rank{r}.pt") for r in range(2)]
     alone = train(make(single, steps=STEPS, dropout=0.0, local_batch_size=2), progress=False, echo=_quiet)

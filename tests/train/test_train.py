@@ -314,6 +314,16 @@ def test_resume_refuses_another_seed_or_tokenizer(tmp_path):
         train(micro_run(tmp_path, steps=3), resume=True, progress=False, echo=_quiet)
 
 
+def test_resume_refuses_other_data_splits(tmp_path):
+    """Another val_fraction reorders the training data and trains on what was validation."""
+    train(micro_run(tmp_path, steps=2), progress=False, echo=_quiet)
+    run = micro_run(tmp_path, steps=3)
+    run.data.val_fraction = 0.5
+    with pytest.raises(ValueError, match=r"was trained with other data: train_tokens \d+ \(this run: \d+\)"):
+        train(run, resume=True, progress=False, echo=_quiet)
+    train(micro_run(tmp_path, steps=3), resume=True, progress=False, echo=_quiet)  # the same data resumes
+
+
 @pytest.mark.parametrize(
     ("name", "peak"),
     [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 NVL", 835.5), ("NVIDIA H200", 989.4)],
