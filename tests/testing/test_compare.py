@@ -124,3 +124,92 @@ def test_relu_reference_takes_our_side_of_the_kink_only_within_rounding_of_zero(
     reference = _relu_reference(lambda **kw: kw["a"] * 1.0, flipped, {"a": x}, atol=1e-3)
     expected = torch.tensor([0.0, -1e-6, 0.5, 0.0], dtype=torch.float64)
     torch.testing.assert_close(reference(a=x.double()), expected, rtol=1e-6, atol=0.0)
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """mean(x^2) whose backward gives zeros: wrong, by gradients of ~1e-4."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x.float() ** 2).mean().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_wrong_gradient_of_small_values_fails(dtype):
+    """The atol scales with the tensor: a gradient of 1e-4 is not judged against 1's slack."""
+    x = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)).to(dtype)
+    results = check_function(
+        _ZeroGradient.apply, lambda x: (x.float() ** 2).mean().to(x.dtype), {"x": x},
+        generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    assert [c.name for c in results if not c.passed] == ["grad x"]
+
+
+def test_several_outputs_are_judged_each_at_its_scale():
+    """A small output beside a large one: zeroing the small one must fail (side by side in
+    one tensor it hid under the large one's atol)."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"x": torch.randn(16, 32, generator=gen).half(), "s": (torch.randn(16, 32, generator=gen) * 1e-3).half()}
+
+    def reference(x, s):
+        return x * 2, s + x * 1e-3
+
+    def broken(x, s):
+        return x * 2, torch.zeros_like(s)
+
+    good = check_function(reference, reference, inputs, generator=torch.Generator().manual_seed(1))
+    assert all(c.passed for c in good) and [c.name for c in good][:2] == ["output 0", "output 1"]
+    bad = check_function(broken, reference, inputs, generator=torch.Generator().manual_seed(1))
+    assert {c.name for c in bad if not c.passed} >= {"output 1"}
+
+
+def test_a_strided_input_reaches_the_function_strided():
+    wide = torch.randn(6, 80, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def fn(x):
+        seen.append((x.stride(), x.is_contiguous()))
+        return x * 3
+
+    assert_all_passed(check_function(fn, lambda x: x * 3, {"x": wide[:, :40]}, generator=torch.Generator()))
+    assert seen == [((80, 1), False)]
+
+
+def test_torchs_own_overflow_is_allowed_alike():
+    x = torch.tensor([1.0, 2.0, 12.0], dtype=torch.float16)  # exp(12) = 162755 > fp16's 65504
+    assert_all_passed(check_function(torch.exp, torch.exp, {"x": x}, generator=torch.Generator()))
+    finite = compare_to_reference("y", torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([float("inf")]))
+    assert finite.passed  # a finite result where torch overflowed is judged as usual (here exact)
+
+
+def test_a_missing_gradient_counts_as_zeros():
+    class NoFloorGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, floor):
+            return torch.maximum(x, floor)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy, None  # the floor never wins below: its true gradient is zero
+
+    inputs = {"x": torch.rand(8) + 1.0, "floor": torch.zeros(8)}
+    reference = lambda x, floor: torch.maximum(x, floor)  # noqa: E731
+    assert_all_passed(check_function(NoFloorGradient.apply, reference, inputs, generator=torch.Generator()))
+
+
+def test_misuse_is_named():
+    x = {"x": torch.randn(4), "n": torch.arange(4)}
+    with pytest.raises(ValueError, match=r"grad_inputs names 'y', not a floating-point tensor input \(no such"):
+        check_function(torch.sin, torch.sin, x, grad_inputs=["y"])
+    with pytest.raises(ValueError, match="grad_inputs names 'n', not a floating-point tensor input"):
+        check_function(lambda x, n: x * n, lambda x, n: x * n, x, grad_inputs=["n"])
+    with pytest.raises(ValueError, match="the function must return a tensor or a tuple of tensors, got \\(int\\)"):
+        check_function(lambda x, n: 3, lambda x, n: x, x)
+    with pytest.raises(ValueError, match="check_module: input1 is a int; inputs are tensors"):
+        check_module(torch.nn.Linear(4, 2), torch.nn.Linear(4, 2), torch.randn(3, 4), 5)
