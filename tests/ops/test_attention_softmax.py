@@ -191,6 +191,7 @@ def test_cuda_graph_capture():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory  # tens of GB: one at a time under pytest -n
 def test_offsets_beyond_int32():
     shape = (2, 16, 2**31 // (32 * 1024) + 4, 1024)  # more than 2**31 elements
     scores = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)

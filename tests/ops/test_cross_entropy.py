@@ -439,6 +439,7 @@ def test_cuda_graph_capture():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory  # tens of GB: one at a time under pytest -n
 def test_offsets_beyond_int32():
     vocab = 65536
     rows = 2**31 // vocab + 4  # more than 2**31 logits

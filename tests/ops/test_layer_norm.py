@@ -231,6 +231,7 @@ def test_cuda_graph_capture():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory  # tens of GB: one at a time under pytest -n
 def test_offsets_beyond_int32():
     cols = 4096
     rows = 2**31 // cols + 8  # x has more than 2**31 elements
