@@ -6,13 +6,16 @@ top. A ``meta.json`` beside them gives what raw ids cannot say::
     {"dtype": "uint16", "vocab_size": 50257, "eos_id": 50256}
 
 and optionally ``pad_id``, ``mask_id`` (needed for MLM) and ``tokenizer`` (a tokenizer.json
-beside it, for encode / decode). Shards whose names hold ``val`` are the validation split
-(nanoGPT's ``train.bin`` / ``val.bin``); without any, the tail of the shards is.
+beside it, for encode / decode). Shards whose names hold the word ``val`` (or ``valid``,
+``validation``, ``eval``) between separators are the validation split (nanoGPT's
+``train.bin`` / ``val.bin``, ``fineweb_val_000000.bin``); without any, the tail of the
+shards is.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +53,15 @@ def is_shard_source(source: str) -> bool:
     if path.is_file():
         return path.suffix == ".bin"
     return path.is_dir() and any(path.glob("*.bin"))
+
+
+_VALIDATION_WORDS = {"val", "valid", "validation", "eval"}
+
+
+def _is_validation(path: Path) -> bool:
+    """Whether a shard's name holds a validation word between separators (``val.bin``,
+    ``fineweb_val_000001.bin``; not ``interval_3.bin``)."""
+    return any(word in _VALIDATION_WORDS for word in re.split(r"[^a-z0-9]+", path.stem.lower()))
 
 
 def _read_meta(path: Path) -> dict:
@@ -118,7 +130,7 @@ def open_shards(source: str) -> ShardSet:
     directory = path.parent if path.is_file() else path
     meta = _read_meta(directory / META_FILE)
     files = [path] if path.is_file() else sorted(directory.glob("*.bin"))
-    val_files = [f for f in files if "val" in f.stem]
+    val_files = [f for f in files if _is_validation(f)]
     train_files = [f for f in files if f not in val_files]
     if not train_files:
         raise ValueError(f"source {source!r}: only validation shards ({', '.join(f.name for f in val_files)})")

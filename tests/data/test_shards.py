@@ -137,3 +137,11 @@ def test_corrupt_shard_metadata_names_the_file(tmp_path, meta_text, tokenizer_te
         (tmp_path / "t.json").write_text(tokenizer_text)
     with pytest.raises(ValueError, match=match):
         build_data(DataConfig(source), seq_len=8)
+
+
+def test_validation_shards_are_named_by_a_word(tmp_path):
+    ids = np.arange(64, dtype=np.uint16)
+    names = ["interval_000.bin", "fineweb_train_001.bin", "fineweb_val_000.bin", "valid.bin"]
+    source = _write(tmp_path, {name: ids for name in names}, {"dtype": "uint16", "vocab_size": 100})
+    data = build_data(DataConfig(source), seq_len=8)
+    assert (data.train.tokens, data.val.tokens) == (128, 128)  # interval_000 trains
