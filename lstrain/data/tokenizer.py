@@ -163,6 +163,14 @@ class BPETokenizer(Tokenizer):
         self.pad_id = tokenizer.token_to_id(PAD_TOKEN) if pad_id is None else pad_id
         self.mask_id = tokenizer.token_to_id(MASK_TOKEN) if mask_id is None else mask_id
 
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """eos, pad and mask, and every token the tokenizer.json marks special ([CLS] and
+        [SEP] of a BERT vocabulary): MLM masking never selects or draws them, as Hugging
+        Face's collator does not."""
+        marked = {i for i, token in self.hf.get_added_tokens_decoder().items() if token.special}
+        return tuple(sorted(set(super().special_ids) | marked))
+
     @classmethod
     def from_file(cls, path: str | Path, **special_ids: int | None) -> BPETokenizer:
         """Load a tokenizer.json.

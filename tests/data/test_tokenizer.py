@@ -78,3 +78,17 @@ def test_stdlib_files_leave_out_third_party_packages():
     files = stdlib_files()
     assert len(files) > 100
     assert not any("site-packages" in f.parts for f in files)
+
+
+def test_tokens_a_tokenizer_json_marks_special_are_never_masked(tmp_path):
+    """A BERT-style vocabulary's [CLS] / [SEP]: special for MLM as in Hugging Face's collator."""
+    import tokenizers
+
+    from lstrain.data.tokenizer import BPETokenizer
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "[MASK]": 3, "a": 4, "b": 5}
+    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.add_special_tokens(["[CLS]", "[SEP]", "[MASK]"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = BPETokenizer.from_file(tmp_path / "tokenizer.json", mask_id=3)
+    assert tokenizer.special_ids == (1, 2, 3)
