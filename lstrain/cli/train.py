@@ -60,8 +60,16 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "allow_batch_change", False) and not resume:
         print("lstrain train: --allow-batch-change applies to a resumed run: pass --resume too", file=sys.stderr)
         return 2
+    path = resolve_recipe(recipe_name)
+    if not path.is_file() and path.parent == RECIPES and not RECIPES.is_dir():
+        print(
+            f"lstrain train: the named recipes ({path.stem}) live in the repository's recipes/ folder, which this "
+            "install does not have: pass the path of a .toml recipe (e.g. from a clone of the repository)",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        recipe = load_recipe(resolve_recipe(recipe_name), args.set or [])
+        recipe = load_recipe(path, args.set or [])
         train(
             recipe,
             resume=resume,

@@ -92,3 +92,9 @@ def test_resume_before_the_recipe_takes_the_recipe_and_batch_change_needs_resume
     seen.clear()
     assert cli.main(["train", recipe, "--allow-batch-change", "--no-progress"]) == 2
     assert "--allow-batch-change applies to a resumed run" in capsys.readouterr().err and not seen
+
+
+def test_a_named_recipe_without_the_recipes_folder_says_where_they_live(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("lstrain.cli.train.RECIPES", tmp_path / "recipes")  # a wheel install: no recipes/ beside it
+    assert cli.main(["train", "--no-progress"]) == 2
+    assert "named recipes (gpt2-tiny) live in the repository's recipes/ folder" in capsys.readouterr().err
