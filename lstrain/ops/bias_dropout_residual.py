@@ -296,6 +296,8 @@ def bias_dropout_residual(
             f"bias_dropout_residual: residual must match x: got {tuple(residual.shape)} on {residual.device}, "
             f"x is {tuple(x.shape)} on {x.device}"
         )
+    if residual.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"bias_dropout_residual: residual has dtype {residual.dtype}; expected a float stream")
     check_seed("bias_dropout_residual", seed, x.device)
     active = training and dropout > 0
     backend = _backend.backend_for(x)

@@ -836,9 +836,12 @@ def embedding(
         raise ValueError(f"embedding: at most 2**31 - 1 tokens per call (their counts are int32), got {tokens.numel()}")
     if weight.dim() != 2 or weight.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"embedding: weight must be a [V, D] float table, got {tuple(weight.shape)} {weight.dtype}")
-    if pos_weight is not None and (pos_weight.dim() != 2 or pos_weight.shape[1] != weight.shape[1]):
+    if pos_weight is not None and (
+        pos_weight.dim() != 2 or pos_weight.shape[1] != weight.shape[1] or pos_weight.dtype not in _SUPPORTED_DTYPES
+    ):
         raise ValueError(
-            f"embedding: pos_weight must be [max_positions, {weight.shape[1]}], got {tuple(pos_weight.shape)}"
+            f"embedding: pos_weight must be a [max_positions, {weight.shape[1]}] float table, got "
+            f"{tuple(pos_weight.shape)} {pos_weight.dtype}"
         )
     if positions is not None and (pos_weight is None or positions.shape != tokens.shape):
         raise ValueError("embedding: positions need pos_weight and must be shaped like tokens")

@@ -433,7 +433,9 @@ def linear_add_rms_norm_swiglu(
         raise ValueError(
             f"linear_add_rms_norm_swiglu: norm_weight must be a [D] tensor, got {type(norm_weight).__name__}"
         )
-    (dim,), eps = rms_norm_arguments("linear_add_rms_norm_swiglu", residual, residual.shape[-1], norm_weight, eps)
+    (dim,), eps = rms_norm_arguments(
+        "linear_add_rms_norm_swiglu", residual, residual.shape[-1], norm_weight, eps, names=("residual", "norm_weight")
+    )
     backend = _backend.backend_for(x)
     _backend.note("linear_add_rms_norm_swiglu", backend)
     if backend == "reference":

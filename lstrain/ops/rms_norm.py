@@ -430,6 +430,7 @@ def rms_norm_arguments(
     normalized_shape: int | Sequence[int],
     weight: torch.Tensor | None,
     eps: object,
+    names: tuple[str, str] = ("x", "weight"),
 ) -> tuple[tuple[int, ...], float]:
     """Validate RMSNorm's arguments (shared by :func:`rms_norm` and
     :func:`~lstrain.ops.add_rms_norm`).
@@ -437,6 +438,7 @@ def rms_norm_arguments(
     Args:
         op: the calling op's name, for the messages.
         x, normalized_shape, weight, eps: as for :func:`rms_norm`.
+        names: what the op calls x and weight, for the messages.
 
     Returns:
         ``(shape, eps)``: normalized_shape as a tuple, eps as a Python float (torch's
@@ -445,18 +447,19 @@ def rms_norm_arguments(
     Raises:
         ValueError: as listed for :func:`rms_norm`, prefixed with ``op``.
     """
+    x_name, w_name = names
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape) :]) != shape:
-        raise ValueError(f"{op}: x has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")
+        raise ValueError(f"{op}: {x_name} has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")
     if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+        raise ValueError(f"{op}: {x_name} has dtype {x.dtype}; expected float32, float16 or bfloat16")
     if weight is not None:
         if tuple(weight.shape) != shape:
-            raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape {shape}")
+            raise ValueError(f"{op}: {w_name} has shape {tuple(weight.shape)}, expected normalized_shape {shape}")
         if weight.device != x.device:
-            raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}")
+            raise ValueError(f"{op}: {w_name} is on {weight.device} but {x_name} is on {x.device}")
         if weight.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"{op}: weight has dtype {weight.dtype}; expected float32, float16 or bfloat16")
+            raise ValueError(f"{op}: {w_name} has dtype {weight.dtype}; expected float32, float16 or bfloat16")
     return shape, default_eps(x.dtype) if eps is None else float_option(op, "eps", eps, 0)
 
 

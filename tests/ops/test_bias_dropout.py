@@ -285,6 +285,8 @@ def test_dropout_seeds_are_one_draw_of_torch_generator(device):
         ((2, 8), -0.1, r"p must be in \[0, 1\], got -0.1"),
         ((2, 8), float("nan"), r"p must be in \[0, 1\], got nan"),
         ((), 0.1, r"shape must have at least one dim"),
+        ((2, -1), 0.1, r"shape must be a sequence of non-negative ints, got \(2, -1\)"),
+        (5, 0.1, r"shape must be a sequence of non-negative ints, got 5"),
     ],
 )
 def test_dropout_mask_refuses_a_bad_p_or_shape(device, shape, p, match):
@@ -303,6 +305,7 @@ def test_dropout_mask_takes_p_as_a_0_d_tensor(device):
     [
         (lambda x: bias_dropout_residual(x, torch.zeros(7), x), "bias has shape \\(7,\\), expected \\(8,\\)"),
         (lambda x: bias_dropout_residual(x, None, x[:, :4]), "residual must match x"),
+        (lambda x: bias_dropout_residual(x, None, x.long()), "residual has dtype torch.int64; expected a float"),
         (lambda x: bias_dropout_residual(x, None, x, dropout=1.0), "dropout must be in \\[0, 1\\), got 1.0"),
         (lambda x: bias_act_dropout(x.long(), None), "x has dtype torch.int64"),
         (lambda x: bias_act_dropout(x, None, activation="tanh"), "activation must be one of"),

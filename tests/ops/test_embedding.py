@@ -180,6 +180,7 @@ def test_unchecked_bad_ids_give_nan_rows(device):
         (dict(tokens=torch.tensor(1)), "tokens must have at least one dim .*got a 0-d tensor"),
         (dict(weight=torch.randn(5)), "weight must be a \\[V, D\\] float table"),
         (dict(pos_weight=torch.randn(4, 2)), "pos_weight must be"),
+        (dict(pos_weight=torch.ones(4, 3, dtype=torch.long)), "pos_weight must be .* float table, got .* torch.int64"),
         (dict(pos_weight=torch.randn(1, 3)), "seq_len 2 exceeds max_positions 1"),
         (dict(pos_weight=torch.randn(4, 3), positions=torch.tensor([[0, 4]])), "position 4 at \\(0, 1\\)"),
         (dict(positions=torch.tensor([[0, 1]])), "positions need pos_weight"),

@@ -166,10 +166,15 @@ def dropout_mask(seed: torch.Tensor, shape: tuple[int, ...], p: float) -> torch.
         A bool tensor of ``shape``: True where an element is kept.
 
     Raises:
-        ValueError: a ``seed`` that is not a 1-element int64 tensor, an empty ``shape``
-            (the ops refuse scalars: there is no row), or a ``p`` outside [0, 1].
+        ValueError: a ``seed`` that is not a 1-element int64 tensor, a ``shape`` that is not
+            a sequence of non-negative ints or is empty (the ops refuse scalars: there is no
+            row), or a ``p`` outside [0, 1].
     """
     check_seed("dropout_mask", seed, seed.device if isinstance(seed, torch.Tensor) else torch.device("cpu"))
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+        isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise ValueError(f"dropout_mask: shape must be a sequence of non-negative ints, got {shape!r}")
     shape = tuple(shape)
     if not shape:
         raise ValueError("dropout_mask: shape must have at least one dim (a row's length), got ()")
