@@ -389,9 +389,7 @@ def linear_cross_entropy(
             positive int, or a bad option (see :func:`lstrain.ops.cross_entropy`); errors
             name linear_cross_entropy.
     """
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        raise ValueError(f"linear_cross_entropy: out_dtype must be None or a floating dtype, got {out_dtype!r}")
-    out_dtype = out_dtype or loss_dtype(hidden)
+    out_dtype = loss_dtype("linear_cross_entropy", hidden, out_dtype)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     label_smoothing, ignore_index, z_loss = _validate(
         hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, chunk_bytes

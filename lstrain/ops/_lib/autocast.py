@@ -23,17 +23,27 @@ def _autocast_on(device_type: str) -> bool:
     return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
-def loss_dtype(logits: torch.Tensor) -> torch.dtype:
-    """The dtype of a loss over ``logits`` as torch gives it: float32 inside an autocast
-    region (autocast runs torch's losses in float32), else the logits' own.
+def loss_dtype(op: str, logits: torch.Tensor, out_dtype: object = None) -> torch.dtype:
+    """A loss's dtype: ``out_dtype`` when given, else what torch gives a loss over
+    ``logits``: float32 inside an autocast region (autocast runs torch's losses in
+    float32), else the logits' own.
 
     Args:
+        op: the loss op's name, for the message.
         logits: the loss's input (logits, or the hidden states of a fused head).
+        out_dtype: the caller's choice, or None.
 
     Returns:
-        ``torch.float32`` under autocast for ``logits``' device (float64 stays), else
-        ``logits.dtype``.
+        ``out_dtype``, or ``torch.float32`` under autocast for ``logits``' device (float64
+        stays), else ``logits.dtype``.
+
+    Raises:
+        ValueError: an ``out_dtype`` that is neither None nor a floating dtype.
     """
+    if out_dtype is not None:
+        if not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+            raise ValueError(f"{op}: out_dtype must be None or a floating dtype, got {out_dtype!r}")
+        return out_dtype
     if _autocast_on(logits.device.type):
         return torch.promote_types(logits.dtype, torch.float32)
     return logits.dtype

@@ -417,15 +417,13 @@ def cross_entropy(
             dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
             z_loss that is negative or not finite, an ignore_index that is no integer, V = 0,
             an ``out_dtype`` that is no floating dtype, or (when checked) a target out of
-            range. The numbers may be Python or numpy
-            scalars or 0-d CPU tensors; a CUDA tensor is refused (reading it would sync).
+            range. The numbers may be Python or numpy scalars or 0-d CPU tensors; a CUDA
+            tensor is refused (reading it would sync).
         RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad
             (or a view of one), with grad mode on (eager mode).
     """
     label_smoothing, ignore_index, z_loss = _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        raise ValueError(f"cross_entropy: out_dtype must be None or a floating dtype, got {out_dtype!r}")
-    out_dtype = out_dtype or loss_dtype(logits)
+    out_dtype = loss_dtype("cross_entropy", logits, out_dtype)
     check = check_targets if check_targets is not None else not logits.is_cuda
     if check and not torch.compiler.is_compiling():
         check_target_range("cross_entropy", target, logits.shape[-1], ignore_index)
