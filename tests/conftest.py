@@ -42,12 +42,18 @@ def device() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _large_memory_tests_one_at_a_time(request):
+def _gpu_memory_shared_by_workers(request):
     """Tests marked ``large_memory`` (~40 GB of the GPU each) take a lock shared by all
     processes of the run, so that parallel workers (``pytest -n 8``) run them one at a
-    time instead of two of them exhausting an 80 GB GPU, and the tests beside them too."""
-    if "large_memory" not in request.keywords or not torch.cuda.is_available():
+    time instead of two of them exhausting an 80 GB GPU, and the tests beside them too.
+    Every CUDA test gives its cached blocks back when it ends, so that what a worker holds
+    between tests is what it keeps alive, not its largest test's peak."""
+    if not torch.cuda.is_available():
         yield
         return
-    with FileLock(os.path.join(tempfile.gettempdir(), "lstrain-tests-large-memory.lock")):
+    if "large_memory" in request.keywords:
+        with FileLock(os.path.join(tempfile.gettempdir(), "lstrain-tests-large-memory.lock")):
+            yield
+    else:
         yield
+    torch.cuda.empty_cache()  # a worker's cached blocks would starve the others' large tests

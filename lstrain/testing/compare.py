@@ -262,7 +262,8 @@ def check_function(
 
     Args:
         fn: the function under test, called with ``**inputs``; returns a tensor or a tuple
-            of tensors.
+            of tensors. An autograd.Function's ``apply`` takes no keywords before torch
+            2.13: pass ``lambda x: MyFunction.apply(x)``.
         reference: a plain-PyTorch function with the same signature and outputs.
         inputs: keyword arguments; tensors and plain values.
         grad_inputs: names of the floating-point tensor inputs to differentiate (default:
