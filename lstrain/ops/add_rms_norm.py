@@ -20,6 +20,7 @@ from lstrain import _backend
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import contiguous_or_none, grad_place
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops.layer_norm import LayerNormPlan
 from lstrain.ops.rms_norm import rms_norm_arguments, rms_norm_bwd, rms_norm_fwd, rms_norm_ref
 
@@ -177,9 +178,8 @@ def add_rms_norm(
             ``weight`` and ``eps``; ``residual`` is not a tensor or differs from ``x`` in
             shape, dtype or device.
     """
+    check_tensors("add_rms_norm", {"x": x, "residual": residual}, {"weight": weight})
     shape, eps = rms_norm_arguments("add_rms_norm", x, normalized_shape, weight, eps)
-    if not isinstance(residual, torch.Tensor):
-        raise ValueError(f"add_rms_norm: residual must be a tensor, got {type(residual).__name__}")
     for what, ours, theirs in (
         ("shape", tuple(residual.shape), tuple(x.shape)),
         ("dtype", residual.dtype, x.dtype),

@@ -25,7 +25,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv
-from lstrain.ops._lib.options import float_option
+from lstrain.ops._lib.options import check_tensors, float_option
 
 __all__ = [
     "AttentionSoftmaxFunction",
@@ -372,10 +372,12 @@ def attention_softmax(
         key is masked are all zeros. A NaN score makes its row NaN.
 
     Raises:
-        ValueError: ``scores`` is not 4-D or not a float type, k_len is too long, a mask
-            has the wrong shape, dtype or device, or ``scale`` is not a finite number (a
-            Python or numpy scalar or a 0-d CPU tensor; for a CUDA tensor pass a float).
+        ValueError: ``scores`` or a mask is no tensor (named), ``scores`` is not 4-D or not
+            a float type, k_len is too long, a mask has the wrong shape, dtype or device, or
+            ``scale`` is not a finite number (a Python or numpy scalar or a 0-d CPU tensor;
+            for a CUDA tensor pass a float).
     """
+    check_tensors("attention_softmax", {"scores": scores}, {"key_padding_mask": key_padding_mask, "mask": mask})
     scale = _validate(scores, key_padding_mask, mask, scale)
     backend = _backend.backend_for(scores)
     _backend.note("attention_softmax", backend)

@@ -31,6 +31,7 @@ from lstrain.ops._lib.dropout import (
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -298,10 +299,11 @@ def bias_act_dropout(
         y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
 
     Raises:
-        ValueError: an unknown activation, wrong dtype, device or shape of ``bias``,
-            ``dropout`` outside [0, 1), or a ``seed`` that is not a 1-element int64 tensor
-            on x's device.
+        ValueError: ``x`` or ``bias`` no tensor (named), an unknown activation, wrong dtype,
+            device or shape of ``bias``, ``dropout`` outside [0, 1), or a ``seed`` that is
+            not a 1-element int64 tensor on x's device.
     """
+    check_tensors("bias_act_dropout", {"x": x}, {"bias": bias})
     dropout = check_dropout_inputs("bias_act_dropout", x, bias, dropout)
     if activation not in ACTIVATIONS:
         raise ValueError(f"bias_act_dropout: activation must be one of {ACTIVATIONS}, got {activation!r}")

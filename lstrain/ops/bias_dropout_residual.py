@@ -31,6 +31,7 @@ from lstrain.ops._lib.dropout import (
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -287,9 +288,11 @@ def bias_dropout_residual(
         y shaped like ``x`` in x's dtype (contiguous); fp32 arithmetic, one rounding.
 
     Raises:
-        ValueError: wrong dtype, device or shape of ``bias`` / ``residual``, ``dropout``
-            outside [0, 1), or a ``seed`` that is not a 1-element int64 tensor on x's device.
+        ValueError: a tensor argument that is no tensor (named), wrong dtype, device or
+            shape of ``bias`` / ``residual``, ``dropout`` outside [0, 1), or a ``seed`` that
+            is not a 1-element int64 tensor on x's device.
     """
+    check_tensors("bias_dropout_residual", {"x": x, "residual": residual}, {"bias": bias})
     dropout = check_dropout_inputs("bias_dropout_residual", x, bias, dropout)
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(

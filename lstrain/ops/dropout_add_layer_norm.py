@@ -43,7 +43,7 @@ from lstrain.ops._lib.dropout import (
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
-from lstrain.ops._lib.options import float_option
+from lstrain.ops._lib.options import check_tensors, float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref, dropout_backward
 from lstrain.ops.layer_norm import (
@@ -448,8 +448,6 @@ def _bias_dropout_residual_grads(ctx, dnew_residual, seed, x_bias):
 def _check_tensor(name: str, t: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...], same_dtype: bool):
     if t is None:
         return
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"dropout_add_layer_norm: {name} must be a tensor or None, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ValueError(f"dropout_add_layer_norm: {name} has shape {tuple(t.shape)}, expected {shape}")
     if t.device != x.device:
@@ -498,19 +496,20 @@ def dropout_add_layer_norm(
         ``(normed, new_residual)``, both shaped and typed like ``x`` (contiguous).
 
     Raises:
-        ValueError: ``x`` a scalar or not float32/float16/bfloat16; ``residual`` not a tensor,
-            or not shaped, typed or placed like ``x``; a bias or weight not ``[cols]``, on
-            another device or of another dtype than those three;
-            ``eps`` negative or not finite; ``dropout`` outside [0, 1); a ``seed`` that is
-            not a 1-element int64 tensor on x's device.
+        ValueError: a tensor argument that is no tensor (named); ``x`` a scalar or not
+            float32/float16/bfloat16; ``residual`` not shaped, typed or placed like ``x``; a
+            bias or weight not ``[cols]``, on another device or of another dtype than those
+            three; ``eps`` negative or not finite; ``dropout`` outside [0, 1); a ``seed``
+            that is not a 1-element int64 tensor on x's device.
     """
+    check_tensors(
+        "dropout_add_layer_norm", {"x": x, "residual": residual}, {"x_bias": x_bias, "weight": weight, "bias": bias}
+    )
     if x.dim() < 1:
         raise ValueError("dropout_add_layer_norm: x must have at least one dim, got a scalar")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dropout_add_layer_norm: x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     cols = x.shape[-1]
-    if not isinstance(residual, torch.Tensor):
-        raise ValueError(f"dropout_add_layer_norm: residual must be a tensor, got {type(residual).__name__}")
     _check_tensor("residual", residual, x, tuple(x.shape), same_dtype=True)
     _check_tensor("x_bias", x_bias, x, (cols,), same_dtype=False)
     _check_tensor("weight", weight, x, (cols,), same_dtype=False)

@@ -47,7 +47,7 @@ from lstrain.ops._lib.dropout import (
 )
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none, grad_place, placeable
-from lstrain.ops._lib.options import float_option, int_option
+from lstrain.ops._lib.options import check_tensors, float_option, int_option
 
 __all__ = ["EmbeddingFunction", "embedding", "embedding_bwd", "embedding_fwd", "embedding_ref", "gather_plan"]
 
@@ -818,12 +818,14 @@ def embedding(
         differentiated).
 
     Raises:
-        ValueError: non-integer ids or positions (int64 / int32 only), 0-d tokens, 2**31 or more ids,
-            mismatched tables, devices or positions, a padding_idx that is no integer in
-            [-V, V), a dropout outside [0, 1), a scale that is not finite, a ``seed``
-            that is not a 1-element int64 tensor on weight's device, or (when checked) an
-            id or position out of range.
+        ValueError: a tensor argument that is no tensor (named), non-integer ids or
+            positions (int64 / int32 only), 0-d tokens, 2**31 or more ids, mismatched
+            tables, devices or positions, a padding_idx that is no integer in [-V, V), a
+            dropout outside [0, 1), a scale that is not finite, a ``seed`` that is not a
+            1-element int64 tensor on weight's device, or (when checked) an id or position
+            out of range.
     """
+    check_tensors("embedding", {"tokens": tokens, "weight": weight}, {"pos_weight": pos_weight, "positions": positions})
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(
             f"embedding: tokens must be int64 or int32 ids, got {tokens.dtype}; convert with tokens.long()"

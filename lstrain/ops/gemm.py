@@ -40,7 +40,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, contiguous_or_none, matmul_like
-from lstrain.ops._lib.options import float_option
+from lstrain.ops._lib.options import check_tensors, float_option
 from lstrain.ops.bias_act_dropout import bias_act_dropout_bwd, bias_act_dropout_bwd_op
 
 __all__ = [
@@ -764,11 +764,13 @@ def gemm(
         programs' tiles of 128 x 256, 16 MiB.
 
     Raises:
-        ValueError: operands not 2-D, inner dims that differ, mixed dtypes or devices, a
-            ``c`` or ``bias`` of the wrong shape or not floating point, an ``out_dtype``
-            other than float32 / float16 / bfloat16, an unknown activation, or an alpha or
-            beta that is not a finite number (a Python or numpy scalar or a 0-d CPU tensor).
+        ValueError: an operand, ``c`` or ``bias`` that is no tensor (named), operands not
+            2-D, inner dims that differ, mixed dtypes or devices, a ``c`` or ``bias`` of the
+            wrong shape or not floating point, an ``out_dtype`` other than float32 /
+            float16 / bfloat16, an unknown activation, or an alpha or beta that is not a
+            finite number (a Python or numpy scalar or a 0-d CPU tensor).
     """
+    check_tensors("gemm", {"a": a, "b": b}, {"c": c, "bias": bias})
     a, b = autocast_inputs(a, b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm: need a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")

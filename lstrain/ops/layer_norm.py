@@ -30,7 +30,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, placeable
-from lstrain.ops._lib.options import float_option
+from lstrain.ops._lib.options import check_tensors, float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -500,10 +500,12 @@ def layer_norm(
         The normalised tensor, same shape and dtype as ``x`` (contiguous).
 
     Raises:
-        ValueError: ``x`` does not end in ``normalized_shape``, a parameter has the wrong
-            shape, dtype or device, or ``eps`` is negative or not finite (numbers may be
-            Python or numpy scalars or 0-d CPU tensors).
+        ValueError: ``x`` or a parameter is no tensor (named), ``x`` does not end in
+            ``normalized_shape``, a parameter has the wrong shape, dtype or device, or
+            ``eps`` is negative or not finite (numbers may be Python or numpy scalars or 0-d
+            CPU tensors).
     """
+    check_tensors("layer_norm", {"x": x}, {"weight": weight, "bias": bias})
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
         raise ValueError(f"layer_norm: x has shape {tuple(x.shape)}, which does not end in normalized_shape {shape}")

@@ -20,6 +20,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, matmul_like
 from lstrain.ops._lib.linear_checks import check_projection
+from lstrain.ops._lib.options import check_tensors
 
 __all__ = ["LinearFunction", "linear", "linear_ref"]
 
@@ -59,9 +60,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``[*, out]`` in x's dtype.
 
     Raises:
-        ValueError: x is a scalar, or a weight / bias whose shape, dtype or device does not
-            fit (named).
+        ValueError: x, weight or bias no tensor (named), x a scalar, or a weight / bias
+            whose shape, dtype or device does not fit (named).
     """
+    check_tensors("linear", {"x": x, "weight": weight}, {"bias": bias})
     x, weight, bias = autocast_inputs(x, weight, bias)
     if x.dim() == 0:
         raise ValueError("linear: x must have at least one dim, got a scalar")

@@ -41,6 +41,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place, matmul_like
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops.add_rms_norm import add_rms_norm_bwd_op
 from lstrain.ops.gemm import column_halves, gemm_plan, mainloop, tile_ids
 from lstrain.ops.linear import linear_ref
@@ -422,17 +423,23 @@ def linear_add_rms_norm_swiglu(
         x's dtype. The layer's output is ``y + s``, left to the next norm's add.
 
     Raises:
-        ValueError: a 0-d x, shapes, dtypes or devices that do not fit (named), a bad eps.
+        ValueError: a tensor argument that is no tensor, a 0-d x, shapes, dtypes or devices
+            that do not fit (named), a bad eps.
         RuntimeError: (from backward) ``create_graph=True``: second derivatives are not
             supported.
     """
+    tensors = {
+        "x": x,
+        "weight": weight,
+        "residual": residual,
+        "norm_weight": norm_weight,
+        "w_gate_up": w_gate_up,
+        "w_down": w_down,
+    }
+    check_tensors("linear_add_rms_norm_swiglu", tensors, {"bias": bias})
     # the residual stream is not cast: autocast would round it down (then refused below)
     x, weight, bias, w_gate_up, w_down = autocast_inputs(x, weight, bias, w_gate_up, w_down)
     _check(x, weight, bias, residual, w_gate_up, w_down)
-    if not isinstance(norm_weight, torch.Tensor):
-        raise ValueError(
-            f"linear_add_rms_norm_swiglu: norm_weight must be a [D] tensor, got {type(norm_weight).__name__}"
-        )
     (dim,), eps = rms_norm_arguments(
         "linear_add_rms_norm_swiglu", residual, residual.shape[-1], norm_weight, eps, names=("residual", "norm_weight")
     )

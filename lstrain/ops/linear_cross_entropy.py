@@ -35,6 +35,7 @@ from lstrain import _backend
 from lstrain.ops._lib.autocast import autocast_inputs, loss_dtype
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops.cross_entropy import (
     check_loss_options,
     check_target_range,
@@ -385,10 +386,11 @@ def linear_cross_entropy(
         The loss in ``out_dtype`` (0-d for mean/sum, ``[tokens]`` for none).
 
     Raises:
-        ValueError: mismatched shapes, dtypes or devices, a ``chunk_bytes`` that is not a
-            positive int, or a bad option (see :func:`lstrain.ops.cross_entropy`); errors
-            name linear_cross_entropy.
+        ValueError: a tensor argument that is no tensor (named), mismatched shapes, dtypes
+            or devices, a ``chunk_bytes`` that is not a positive int, or a bad option (see
+            :func:`lstrain.ops.cross_entropy`); errors name linear_cross_entropy.
     """
+    check_tensors("linear_cross_entropy", {"hidden": hidden, "weight": weight, "target": target}, {"bias": bias})
     out_dtype = loss_dtype("linear_cross_entropy", hidden, out_dtype)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     label_smoothing, ignore_index, z_loss = _validate(

@@ -29,6 +29,7 @@ from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.linear_checks import check_projection
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -269,9 +270,11 @@ def qkv_projection(
         ``[batch, seq, 3 * dim]`` projection (the last dim contiguous).
 
     Raises:
-        ValueError: shapes that do not fit (named), dtypes other than float32 / float16 /
-            bfloat16, tensors on several devices, or ``heads`` not a positive int.
+        ValueError: x, weight or bias no tensor, shapes that do not fit (named), dtypes
+            other than float32 / float16 / bfloat16, tensors on several devices, or
+            ``heads`` not a positive int.
     """
+    check_tensors("qkv_projection", {"x": x, "weight": weight}, {"bias": bias})
     check_packed_projection("qkv_projection", x, weight, bias, heads)
     x, weight, bias = autocast_inputs(x, weight, bias)
     check_projection("qkv_projection", "x", x, weight, bias)

@@ -26,7 +26,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, contiguous_or_none, grad_place
-from lstrain.ops._lib.options import float_option
+from lstrain.ops._lib.options import check_tensors, float_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.layer_norm import CHUNK_COLS, MAX_TILE_COLS_BWD, LayerNormPlan, layer_norm_fwd_plan
 
@@ -487,10 +487,12 @@ def rms_norm(
         The normalised tensor, same shape and dtype as ``x`` (contiguous).
 
     Raises:
-        ValueError: ``x`` does not end in ``normalized_shape`` or has an unsupported
-            dtype, ``weight`` has the wrong shape, dtype or device, or ``eps`` is
-            negative or not finite (it may be a Python or numpy scalar or a 0-d CPU tensor).
+        ValueError: ``x`` or ``weight`` is no tensor (named), ``x`` does not end in
+            ``normalized_shape`` or has an unsupported dtype, ``weight`` has the wrong
+            shape, dtype or device, or ``eps`` is negative or not finite (it may be a Python
+            or numpy scalar or a 0-d CPU tensor).
     """
+    check_tensors("rms_norm", {"x": x}, {"weight": weight})
     shape, eps = rms_norm_arguments("rms_norm", x, normalized_shape, weight, eps)
     backend = _backend.backend_for(x)
     _backend.note("rms_norm", backend)

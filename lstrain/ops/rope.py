@@ -33,7 +33,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv
-from lstrain.ops._lib.options import int_option
+from lstrain.ops._lib.options import check_tensors, int_option
 
 __all__ = [
     "RopeFunction",
@@ -444,8 +444,6 @@ def _check_head_dim(op: str, head_dim: int) -> None:
 def _check_tables(op: str, cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int, head_dim: int, x) -> None:
     """cos and sin: [seq, head_dim] or [batch or 1, seq, head_dim], float, on x's device, no gradient."""
     for name, table in (("cos", cos), ("sin", sin)):
-        if not isinstance(table, torch.Tensor):
-            raise ValueError(f"{op}: {name} must be a tensor, got {type(table).__name__}")
         expected = f"[{seq}, {head_dim}] or [{batch} or 1, {seq}, {head_dim}]"
         shape = tuple(table.shape)
         if (
@@ -463,9 +461,8 @@ def _check_tables(op: str, cos: torch.Tensor, sin: torch.Tensor, batch: int, seq
 
 
 def _check_input(op: str, name: str, t: torch.Tensor, dims: int) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != dims:
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{op}: {name} must be a {dims}-d tensor, got {shape}")
+    if t.dim() != dims:
+        raise ValueError(f"{op}: {name} must be a {dims}-d tensor, got {tuple(t.shape)}")
     if t.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
 
@@ -496,9 +493,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: 
         out the same way, so an HF projection's gradient needs no copy.
 
     Raises:
-        ValueError: ``x`` is not 4-d or has an unsupported dtype, ``head_dim`` is odd, or
-            ``cos`` / ``sin`` have the wrong shape, dtype or device or require grad.
+        ValueError: ``x``, ``cos`` or ``sin`` is no tensor (named), ``x`` is not 4-d or has
+            an unsupported dtype, ``head_dim`` is odd, or ``cos`` / ``sin`` have the wrong
+            shape, dtype or device or require grad.
     """
+    check_tensors("rope", {"x": x, "cos": cos, "sin": sin})
     _check_input("rope", "x", x, 4)
     batch, _, seq, head_dim = x.shape
     _check_head_dim("rope", head_dim)
@@ -545,10 +544,12 @@ def rope_qkv(
         ``qkv`` in one buffer, each column block once.
 
     Raises:
-        ValueError: ``qkv`` is not 3-d or has an unsupported dtype, the head counts are
-            not integers >= 1 or do not divide its width, ``head_dim`` is odd, or ``cos``
-            / ``sin`` are wrong as for :func:`rope`.
+        ValueError: ``qkv``, ``cos`` or ``sin`` is no tensor (named), ``qkv`` is not 3-d or
+            has an unsupported dtype, the head counts are not integers >= 1 or do not divide
+            its width, ``head_dim`` is odd, or ``cos`` / ``sin`` are wrong as for
+            :func:`rope`.
     """
+    check_tensors("rope_qkv", {"qkv": qkv, "cos": cos, "sin": sin})
     _check_input("rope_qkv", "qkv", qkv, 3)
     num_heads = int_option("rope_qkv", "num_heads", num_heads, 1)
     num_kv_heads = int_option("rope_qkv", "num_kv_heads", num_kv_heads, 1)

@@ -22,6 +22,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, matmul_like
 from lstrain.ops._lib.linear_checks import check_projection
+from lstrain.ops._lib.options import check_tensors
 
 __all__ = ["SharedInputLinearFunction", "shared_input_linear", "shared_input_linear_ref"]
 
@@ -82,8 +83,9 @@ def shared_input_linear(
         A tuple of ``[*, out_i]`` tensors in x's dtype, one per weight.
 
     Raises:
-        ValueError: no weights, a biases list of another length, x a scalar, or a weight /
-            bias whose shape, dtype or device does not fit (named by its position).
+        ValueError: no weights, a biases list of another length, x or a weight / bias that
+            is no tensor, x a scalar, or a weight / bias whose shape, dtype or device does
+            not fit (named by its position).
     """
     weights = list(weights)
     if not weights:
@@ -94,6 +96,11 @@ def shared_input_linear(
             f"shared_input_linear: biases must hold one bias (or None) per weight: "
             f"got {len(biases)} for {len(weights)} weights"
         )
+    check_tensors(
+        "shared_input_linear",
+        {"x": x, **{f"weights[{i}]": w for i, w in enumerate(weights)}},
+        {f"biases[{i}]": b for i, b in enumerate(biases)},
+    )
     x, *parameters = autocast_inputs(x, *weights, *biases)
     weights, biases = parameters[: len(weights)], parameters[len(weights) :]
     if x.dim() == 0:

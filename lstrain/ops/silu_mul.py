@@ -28,6 +28,7 @@ from lstrain.ops._lib.dropout import elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, matmul_like
 from lstrain.ops._lib.linear_checks import check_projection
+from lstrain.ops._lib.options import check_tensors
 
 __all__ = [
     "SiluMulFunction",
@@ -198,9 +199,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ``silu(gate) * up`` (contiguous, the inputs' dtype); fp32 arithmetic, one rounding.
 
     Raises:
-        ValueError: shapes, dtypes or devices that differ (named), a dtype other than
-            float32 / float16 / bfloat16, or a 0-d input.
+        ValueError: gate or up no tensor (named), shapes, dtypes or devices that differ
+            (named), a dtype other than float32 / float16 / bfloat16, or a 0-d input.
     """
+    check_tensors("silu_mul", {"gate": gate, "up": up})
     _check("silu_mul", gate, up)
     backend = _backend.backend_for(gate)
     _backend.note("silu_mul", backend)
@@ -227,9 +229,10 @@ def silu_mul_linear(
         ``[*, out]`` in the inputs' dtype.
 
     Raises:
-        ValueError: as :func:`silu_mul`, or a weight / bias whose shape, dtype or device
-            does not fit (named).
+        ValueError: as :func:`silu_mul`, or a weight / bias that is no tensor or whose
+            shape, dtype or device does not fit (named).
     """
+    check_tensors("silu_mul_linear", {"gate": gate, "up": up, "weight": weight}, {"bias": bias})
     gate, up, weight, bias = autocast_inputs(gate, up, weight, bias)
     _check("silu_mul_linear", gate, up)
     check_projection("silu_mul_linear", "gate", gate, weight, bias)

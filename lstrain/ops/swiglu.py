@@ -45,6 +45,7 @@ from lstrain.ops._lib.autocast import autocast_inputs
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import differentiated, graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import cdiv, matmul_like
+from lstrain.ops._lib.options import check_tensors
 from lstrain.ops.gemm import GemmPlan, column_halves, gemm_plan, k_major, kahan_add, mainloop, tile_ids
 
 __all__ = [
@@ -598,11 +599,12 @@ def swiglu_mlp(
         ``[*, D_out]`` in x's dtype.
 
     Raises:
-        ValueError: a 0-d x, mismatched shapes, dtypes or devices, or a
-            ``keep_activation`` that is not a bool.
+        ValueError: x or a weight no tensor (named), a 0-d x, mismatched shapes, dtypes or
+            devices, or a ``keep_activation`` that is not a bool.
         RuntimeError: (from backward) ``create_graph=True``: second derivatives are not
             supported.
     """
+    check_tensors("swiglu_mlp", {"x": x, "w_gate_up": w_gate_up, "w_down": w_down})
     if not isinstance(keep_activation, bool):
         raise ValueError(f"swiglu_mlp: keep_activation must be a bool, got {keep_activation!r}")
     x, w_gate_up, w_down = autocast_inputs(x, w_gate_up, w_down)

@@ -1,4 +1,5 @@
-"""Host-side checks of the ops' scalar options (probabilities, scales, eps, indices).
+"""Host-side checks of the ops' arguments: scalar options (probabilities, scales, eps,
+indices), and that their tensor arguments are tensors.
 
 An option may be a Python number, a numpy scalar or a 0-d CPU tensor, read on the host for
 free; a CUDA tensor is refused, since reading it would synchronise with the host (and
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
-__all__ = ["float_option", "int_option"]
+__all__ = ["check_tensors", "float_option", "int_option"]
 
 
 def _host_value(op: str, name: str, value: object, kind: str) -> object:
@@ -101,3 +103,27 @@ def int_option(op: str, name: str, value: object, low: int | None = None) -> int
     if low is not None and scalar < low:
         raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
     return int(scalar)
+
+
+def check_tensors(op: str, tensors: Mapping[str, object], optional: Mapping[str, object] | None = None) -> None:
+    """Refuse a tensor argument that is no tensor (a list, a number, an array).
+
+    The ops call it first, before anything reads an attribute of their arguments, so that
+    such a value is named here rather than failing deep inside as an AttributeError. Plain
+    isinstance checks: free on the host, and evaluated once while ``torch.compile`` traces.
+
+    Args:
+        op: the op's name, for the message.
+        tensors: the arguments that must be tensors, by name.
+        optional: the arguments that may be tensors or None, by name (None: no such).
+
+    Raises:
+        ValueError: ``"{op}: {name} must be a tensor, got {type}"`` (``"a tensor or None"``
+            for an optional one) for the first argument that is not.
+    """
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    for name, value in (optional or {}).items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a tensor or None, got {type(value).__name__}")

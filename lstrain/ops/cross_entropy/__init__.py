@@ -39,7 +39,7 @@ from lstrain.ops._lib.autocast import loss_dtype
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import graph_freed_after_backward, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows
-from lstrain.ops._lib.options import float_option, int_option
+from lstrain.ops._lib.options import check_tensors, float_option, int_option
 from lstrain.ops.cross_entropy.plan import (
     CrossEntropyPlan,
     cross_entropy_plan,
@@ -413,15 +413,17 @@ def cross_entropy(
         The loss in ``out_dtype``: a 0-d tensor for mean/sum, else shaped like target.
 
     Raises:
-        ValueError: logits not 2-D/3-D or not a float type, target of the wrong shape,
-            dtype or device, label_smoothing outside [0, 1], an unknown reduction, a
-            z_loss that is negative or not finite, an ignore_index that is no integer, V = 0,
-            an ``out_dtype`` that is no floating dtype, or (when checked) a target out of
-            range. The numbers may be Python or numpy scalars or 0-d CPU tensors; a CUDA
-            tensor is refused (reading it would sync).
+        ValueError: logits or target not a tensor (named), logits not 2-D/3-D or not a float
+            type, target of the wrong shape, dtype or device, label_smoothing outside
+            [0, 1], an unknown reduction, a z_loss that is negative or not finite, an
+            ignore_index that is no integer, V = 0, an ``out_dtype`` that is no floating
+            dtype, or (when checked) a target out of range. The numbers may be Python or
+            numpy scalars or 0-d CPU tensors; a CUDA tensor is refused (reading it would
+            sync).
         RuntimeError: ``inplace_backward=True`` for logits that are a leaf requiring grad
             (or a view of one), with grad mode on (eager mode).
     """
+    check_tensors("cross_entropy", {"logits": logits, "target": target})
     label_smoothing, ignore_index, z_loss = _validate(logits, target, label_smoothing, ignore_index, reduction, z_loss)
     out_dtype = loss_dtype("cross_entropy", logits, out_dtype)
     check = check_targets if check_targets is not None else not logits.is_cuda
