@@ -83,10 +83,13 @@ def shared_input_linear(
         A tuple of ``[*, out_i]`` tensors in x's dtype, one per weight.
 
     Raises:
-        ValueError: no weights, a biases list of another length, x or a weight / bias that
-            is no tensor, x a scalar, or a weight / bias whose shape, dtype or device does
-            not fit (named by its position).
+        ValueError: weights or biases given as one tensor, no weights, a biases list of
+            another length, x or a weight / bias that is no tensor, x a scalar, or a weight /
+            bias whose shape, dtype or device does not fit (named by its position).
     """
+    for name, value in (("weights", weights), ("biases", biases)):
+        if isinstance(value, torch.Tensor):  # list() would split it into rows
+            raise ValueError(f"shared_input_linear: {name} must be a list or tuple of tensors, got one tensor")
     weights = list(weights)
     if not weights:
         raise ValueError("shared_input_linear: weights must hold at least one weight, got none")

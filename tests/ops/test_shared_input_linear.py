@@ -154,6 +154,14 @@ def test_bad_shapes_are_named(weights, biases, match):
         )
 
 
+def test_one_tensor_for_a_list_is_named():
+    x, w = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="weights must be a list or tuple of tensors, got one tensor"):
+        shared_input_linear(x, w)
+    with pytest.raises(ValueError, match="biases must be a list or tuple of tensors, got one tensor"):
+        shared_input_linear(x, [w], torch.randn(5, device=DEVICE))
+
+
 def test_bad_dtypes_are_named():
     x = torch.randn(3, 4, device=DEVICE)
     with pytest.raises(ValueError, match=r"weights\[1\].*weight is torch.float64"):
