@@ -41,7 +41,7 @@ from lstrain.ops._lib.dropout import check_seed, dropout_keep, dropout_mask_ref,
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.linear_checks import check_projection
-from lstrain.ops._lib.options import check_tensors, float_option
+from lstrain.ops._lib.options import check_tensors, float_option, int_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.qkv_projection import check_packed_projection
 
@@ -678,10 +678,11 @@ def qkv_attention(
     Raises:
         ValueError: x, weight or bias no tensor, shapes that do not fit (named), a head_dim
             outside :data:`SUPPORTED_HEAD_DIMS`, dtypes other than float32 / float16 /
-            bfloat16, tensors on several devices, ``heads`` not a positive int, ``causal``
+            bfloat16, tensors on several devices, ``heads`` not an integer >= 1, ``causal``
             not a bool, ``dropout_p`` outside [0, 1), or a bad ``seed``.
     """
     check_tensors("qkv_attention", {"x": x, "weight": weight}, {"bias": bias})
+    heads = int_option("qkv_attention", "heads", heads, 1)
     _check(x, weight, bias, heads, causal)
     p = float_option("qkv_attention", "dropout_p", dropout_p, 0, 1, high_open=True)
     check_seed("qkv_attention", seed, x.device)

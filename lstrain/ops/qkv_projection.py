@@ -29,7 +29,7 @@ from lstrain.ops._lib.dropout import ElementwisePlan, elementwise_plan
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.linear_checks import check_projection
-from lstrain.ops._lib.options import check_tensors
+from lstrain.ops._lib.options import check_tensors, int_option
 from lstrain.ops._lib.partial_sums import sum_partials
 
 __all__ = [
@@ -216,21 +216,20 @@ class QKVProjectionFunction(torch.autograd.Function):
 
 
 def check_packed_projection(
-    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: object
+    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int
 ) -> None:
     """Refuse inputs that are not a packed QKV projection of ``x`` into ``heads`` heads.
 
     Args:
         op: the op's name, for the messages.
-        x, weight, bias, heads: as for :func:`qkv_projection`.
+        x, weight, bias: as for :func:`qkv_projection`.
+        heads: the head count, already checked by ``int_option``.
 
     Raises:
-        ValueError: naming the argument: ``heads`` not a positive int, x not 3-D, a weight
+        ValueError: naming the argument: x not 3-D, a weight
             or bias of another shape, a dtype other than float32 / float16 / bfloat16, or
             tensors on several devices.
     """
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
-        raise ValueError(f"{op}: heads must be a positive int, got {heads!r}")
     if x.dim() != 3:
         raise ValueError(f"{op}: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % (3 * heads):
@@ -272,9 +271,10 @@ def qkv_projection(
     Raises:
         ValueError: x, weight or bias no tensor, shapes that do not fit (named), dtypes
             other than float32 / float16 / bfloat16, tensors on several devices, or
-            ``heads`` not a positive int.
+            ``heads`` not an integer >= 1.
     """
     check_tensors("qkv_projection", {"x": x, "weight": weight}, {"bias": bias})
+    heads = int_option("qkv_projection", "heads", heads, 1)
     check_packed_projection("qkv_projection", x, weight, bias, heads)
     x, weight, bias = autocast_inputs(x, weight, bias)
     check_projection("qkv_projection", "x", x, weight, bias)

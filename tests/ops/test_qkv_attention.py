@@ -158,7 +158,7 @@ def test_no_grad_makes_no_graph():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"heads": 0}, "heads must be a positive int"),
+        ({"heads": 0}, "heads must be an integer >= 1"),
         ({"weight": (50, 8)}, r"weight must be \[3 \* dim, 8\]"),
         ({"bias": (5,)}, r"bias has shape \(5,\), expected \(96,\)"),
         ({"heads": 4}, r"head_dim = dim / heads = 8 is not one of"),

@@ -1,5 +1,6 @@
 """qkv_projection: F.linear + a head split whose backward packs dq / dk / dv and sums dbias in one pass."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,7 +131,7 @@ def test_no_grad_and_frozen_weights():
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (((2, 5), (36, 7), (36,), 0), "heads must be a positive int"),
+        (((2, 5), (36, 7), (36,), 0), "heads must be an integer >= 1"),
         (((2, 5, 7), (36, 7), (36,), 5), r"weight must be \[3 \* dim, 7\] with dim a multiple of heads=5"),
         (((2, 5, 7), (36, 6), (36,), 3), r"weight must be \[3 \* dim, 7\]"),
         (((2, 5, 7), (36, 7), (35,), 3), r"bias has shape \(35,\), expected \(36,\)"),
@@ -143,6 +144,15 @@ def test_bad_shapes_are_named(args, match):
     bias = None if b_shape is None else torch.randn(b_shape, device=DEVICE)
     with pytest.raises(ValueError, match=match):
         qkv_projection(x, weight, bias, heads)
+
+
+@pytest.mark.parametrize("heads", [np.int64(4), torch.tensor(4)], ids=["numpy", "0-d tensor"])
+def test_heads_may_be_any_integer_scalar(heads):
+    x, weight, bias = _inputs()
+    for ours, plain in zip(qkv_projection(x, weight, bias, heads), qkv_projection(x, weight, bias, 4), strict=True):
+        assert torch.equal(ours, plain)
+    with pytest.raises(ValueError, match="heads must be an integer >= 1, got bool True"):
+        qkv_projection(x, weight, bias, True)
 
 
 @pytest.mark.parametrize("which", ["weight", "bias"])
