@@ -25,7 +25,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv
-from lstrain.ops._lib.options import check_tensors, float_option
+from lstrain.ops._lib.options import bool_option, check_tensors, float_option
 
 __all__ = [
     "AttentionSoftmaxFunction",
@@ -375,15 +375,16 @@ def attention_softmax(
         ValueError: ``scores`` or a mask is no tensor (named), ``scores`` is not 4-D or not
             a float type, k_len is too long, a mask has the wrong shape, dtype or device, or
             ``scale`` is not a finite number (a Python or numpy scalar or a 0-d CPU tensor;
-            for a CUDA tensor pass a float).
+            for a CUDA tensor pass a float), or ``causal`` is not a bool.
     """
     check_tensors("attention_softmax", {"scores": scores}, {"key_padding_mask": key_padding_mask, "mask": mask})
+    causal = bool_option("attention_softmax", "causal", causal)
     scale = _validate(scores, key_padding_mask, mask, scale)
     backend = _backend.backend_for(scores)
     _backend.note("attention_softmax", backend)
     if backend == "reference":
         return attention_softmax_ref(scores, scale=scale, key_padding_mask=key_padding_mask, mask=mask, causal=causal)
-    return AttentionSoftmaxFunction.apply(scores, key_padding_mask, mask, scale, bool(causal))
+    return AttentionSoftmaxFunction.apply(scores, key_padding_mask, mask, scale, causal)
 
 
 def attention_softmax_ref(

@@ -41,7 +41,7 @@ from lstrain.ops._lib.dropout import check_seed, dropout_keep, dropout_mask_ref,
 from lstrain.ops._lib.first_order import differentiated, refuse_create_graph
 from lstrain.ops._lib.layout import as_rows, cdiv, grad_place, matmul_like, placeable
 from lstrain.ops._lib.linear_checks import check_projection
-from lstrain.ops._lib.options import check_tensors, float_option, int_option
+from lstrain.ops._lib.options import bool_option, check_tensors, float_option, int_option
 from lstrain.ops._lib.partial_sums import sum_partials
 from lstrain.ops.qkv_projection import check_packed_projection
 
@@ -621,11 +621,9 @@ class QKVAttentionFunction(torch.autograd.Function):
         return dx, dweight, grads[1] if need_bias else None, None, None, None, None
 
 
-def _check(x, weight, bias, heads, causal) -> int:
+def _check(x, weight, bias, heads) -> int:
     """Validate the inputs; returns head_dim."""
     check_packed_projection("qkv_attention", x, weight, bias, heads)
-    if not isinstance(causal, bool):
-        raise ValueError(f"qkv_attention: causal must be a bool, got {causal!r}")
     head_dim = weight.shape[0] // (3 * heads)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
@@ -683,7 +681,8 @@ def qkv_attention(
     """
     check_tensors("qkv_attention", {"x": x, "weight": weight}, {"bias": bias})
     heads = int_option("qkv_attention", "heads", heads, 1)
-    _check(x, weight, bias, heads, causal)
+    causal = bool_option("qkv_attention", "causal", causal)
+    _check(x, weight, bias, heads)
     p = float_option("qkv_attention", "dropout_p", dropout_p, 0, 1, high_open=True)
     check_seed("qkv_attention", seed, x.device)
     x, weight, bias = autocast_inputs(x, weight, bias)

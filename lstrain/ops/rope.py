@@ -33,7 +33,7 @@ from lstrain._backend import wait_for_producers
 from lstrain.ops._lib.custom_op import kernel_op
 from lstrain.ops._lib.first_order import refuse_create_graph
 from lstrain.ops._lib.layout import cdiv
-from lstrain.ops._lib.options import check_tensors, int_option
+from lstrain.ops._lib.options import bool_option, check_tensors, int_option
 
 __all__ = [
     "RopeFunction",
@@ -494,10 +494,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: 
 
     Raises:
         ValueError: ``x``, ``cos`` or ``sin`` is no tensor (named), ``x`` is not 4-d or has
-            an unsupported dtype, ``head_dim`` is odd, or ``cos`` / ``sin`` have the wrong
-            shape, dtype or device or require grad.
+            an unsupported dtype, ``head_dim`` is odd, ``cos`` / ``sin`` have the wrong
+            shape, dtype or device or require grad, or ``interleaved`` is not a bool.
     """
     check_tensors("rope", {"x": x, "cos": cos, "sin": sin})
+    interleaved = bool_option("rope", "interleaved", interleaved)
     _check_input("rope", "x", x, 4)
     batch, _, seq, head_dim = x.shape
     _check_head_dim("rope", head_dim)
@@ -507,7 +508,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: 
     if backend == "reference":
         return rope_ref(x, cos, sin, interleaved=interleaved)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return RopeFunction.apply(x, cos, sin, bool(interleaved))
+    return RopeFunction.apply(x, cos, sin, interleaved)
 
 
 def rope_qkv(
@@ -546,10 +547,11 @@ def rope_qkv(
     Raises:
         ValueError: ``qkv``, ``cos`` or ``sin`` is no tensor (named), ``qkv`` is not 3-d or
             has an unsupported dtype, the head counts are not integers >= 1 or do not divide
-            its width, ``head_dim`` is odd, or ``cos`` / ``sin`` are wrong as for
-            :func:`rope`.
+            its width, ``head_dim`` is odd, or ``cos`` / ``sin`` / ``interleaved`` are wrong
+            as for :func:`rope`.
     """
     check_tensors("rope_qkv", {"qkv": qkv, "cos": cos, "sin": sin})
+    interleaved = bool_option("rope_qkv", "interleaved", interleaved)
     _check_input("rope_qkv", "qkv", qkv, 3)
     num_heads = int_option("rope_qkv", "num_heads", num_heads, 1)
     num_kv_heads = int_option("rope_qkv", "num_kv_heads", num_kv_heads, 1)
@@ -567,7 +569,7 @@ def rope_qkv(
     if backend == "reference":
         return rope_qkv_ref(qkv, cos, sin, num_heads, num_kv_heads, interleaved=interleaved)
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-    return RopeQKVFunction.apply(qkv, cos, sin, num_heads, num_kv_heads, bool(interleaved))
+    return RopeQKVFunction.apply(qkv, cos, sin, num_heads, num_kv_heads, interleaved)
 
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

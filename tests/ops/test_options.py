@@ -13,8 +13,11 @@ from lstrain.ops import (
     gemm,
     layer_norm,
     linear_cross_entropy,
+    qkv_attention,
+    rope,
+    rope_qkv,
 )
-from lstrain.ops._lib.options import float_option, int_option
+from lstrain.ops._lib.options import bool_option, float_option, int_option
 
 
 def _calls(device):
@@ -123,3 +126,32 @@ def test_ignore_index_and_padding_idx_take_numpy_and_0d_integers(device):
     )
     with pytest.raises(ValueError, match="embedding: padding_idx must be an integer, got float 1.0"):
         embedding(tokens, table, padding_idx=1.0)
+
+
+def _flag_calls(device):
+    """name -> a call taking the flag's value (each a no-grad forward of a tiny input)."""
+    scores = torch.randn(1, 2, 3, 3, device=device)
+    x, tables = torch.randn(1, 2, 3, 8, device=device), torch.randn(3, 8, device=device)
+    qkv = torch.randn(1, 3, 3 * 8, device=device)
+    proj_x, weight = torch.randn(1, 3, 16, device=device), torch.randn(3 * 16, 16, device=device)
+    return {
+        "attention_softmax causal": lambda v: attention_softmax(scores, causal=v),
+        "rope interleaved": lambda v: rope(x, tables, tables, interleaved=v),
+        "rope_qkv interleaved": lambda v: rope_qkv(qkv, tables, tables, 1, 1, interleaved=v)[0],
+        "qkv_attention causal": lambda v: qkv_attention(proj_x, weight, None, 1, causal=v),
+    }
+
+
+@pytest.mark.parametrize("flag", list(_flag_calls("cpu")))
+def test_flags_are_bools(device, flag):
+    """A flag is a bool in any host form; bool() of "no", 1 or None would read as a flag set or not."""
+    call = _flag_calls(device)[flag]
+    for value in (True, False):
+        expected = call(value)
+        for same in (np.bool_(value), torch.tensor(value)):
+            torch.testing.assert_close(call(same), expected, rtol=0, atol=0)
+    op, name = flag.split()
+    for value in ("no", 1, None, torch.ones(2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=rf"{op}: {name} must be a bool"):
+            call(value)
+    assert bool_option("op", "f", np.bool_(True)) is True

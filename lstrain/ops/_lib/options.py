@@ -12,9 +12,10 @@ import math
 import numbers
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
-__all__ = ["check_tensors", "float_option", "int_option"]
+__all__ = ["bool_option", "check_tensors", "float_option", "int_option"]
 
 
 def _host_value(op: str, name: str, value: object, kind: str) -> object:
@@ -103,6 +104,27 @@ def int_option(op: str, name: str, value: object, low: int | None = None) -> int
     if low is not None and scalar < low:
         raise ValueError(f"{op}: {name} must be {kind}, got {value!r}")
     return int(scalar)
+
+
+def bool_option(op: str, name: str, value: object) -> bool:
+    """A flag, as a Python bool; refused, as torch refuses it, when it is anything else.
+
+    Args:
+        op: the op's name, for the message.
+        name: the argument's name.
+        value: a Python bool, a numpy bool or a 0-d bool CPU tensor.
+
+    Returns:
+        ``bool(value)``.
+
+    Raises:
+        ValueError: naming ``name`` and ``value``: not a bool (ints, strings and None
+            included: ``bool()`` of them would read ``"no"`` as True).
+    """
+    scalar = _host_value(op, name, value, "a bool")
+    if not isinstance(scalar, (bool, np.bool_)):
+        raise ValueError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(scalar)
 
 
 def check_tensors(op: str, tensors: Mapping[str, object], optional: Mapping[str, object] | None = None) -> None:
