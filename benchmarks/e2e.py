@@ -4,6 +4,7 @@
     python -m benchmarks.e2e --workload gpt2-medium --out bench-out/e2e-medium
     python -m benchmarks.e2e --workload gpt2-small --variant lstrain-eager --variant torch-compile
     python -m benchmarks.e2e --workload llama-0.75b --workload bert-large   # the LLaMA and BERT workloads
+    python -m benchmarks.e2e --workload llama-0.75b --rounds 3   # each variant 3 times, alternating order
     python -m benchmarks.e2e --workload gpt2-medium --profile lstrain-eager   # per-kernel table of one step
     python -m benchmarks.e2e --workload tiny                     # the CPU smoke run (Triton interpreter)
     python -m benchmarks.report bench-out/results.json --e2e bench-out/e2e.json
@@ -39,6 +40,10 @@ memory, compiled code and CUDA state cannot touch another's figures, and a crash
 costs only its own row: the parent waits ``--timeout`` seconds per variant, then kills the
 child's process group and records an error row naming the phase it was in. A child's
 output goes to ``<out>/logs/<workload>.<variant>.log``; its last line is its row as JSON.
+With ``--rounds N`` every variant runs N times, the order reversed every other round (so
+that neither end of a round's thermal or clock drift falls on one variant), each run in
+its own process (logs ``<workload>.<variant>.r<i>.log``); a variant's row is its run of
+median tokens/s, with ``rounds_tokens_per_s`` listing every run's (None where one failed).
 
 Per variant: ``ms_per_step``, the median over ``--steps`` timed steps after ``--warmup``
 warm-up steps, from CUDA events recorded between steps (the launch queue is never drained,
@@ -882,7 +887,7 @@ def row_from_log(workload: str, variant: str, log: str, returncode: int | None, 
 
 def run_variant(
     workload: Workload, variant: Variant, warmup: int, steps: int, timeout_s: float, out: Path,
-    profile_out: Path | None = None,
+    profile_out: Path | None = None, round_index: int | None = None,
 ) -> dict:  # fmt: skip
     """One variant in its own process, or the reason it was skipped.
 
@@ -894,6 +899,7 @@ def run_variant(
         timeout_s: seconds the child may take; then its process group is killed.
         out: the output folder (the child's log goes to ``out/logs``).
         profile_out: where the child writes a profile, or None.
+        round_index: the round this run is of (its log named after it), or None for one.
 
     Returns:
         The row (see ``child_row`` and ``row_from_log``), plus ``wall_s`` (the child's whole
@@ -907,7 +913,8 @@ def run_variant(
         return base | {"status": "skipped", "reason": reason}
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{workload.name}.{variant.name}.log"
+    suffix = "" if round_index is None else f".r{round_index}"
+    log_path = logs / f"{workload.name}.{variant.name}{suffix}.log"
     command = [
         sys.executable, "-m", "benchmarks.e2e", "--child", "--workload", workload.name, "--variant", variant.name,
         "--warmup", str(warmup), "--steps", str(steps), "--attn-implementation", workload.attn_implementation,
@@ -933,6 +940,23 @@ def run_variant(
     wall_s = time.perf_counter() - start
     row = row_from_log(workload.name, variant.name, log_path.read_text(errors="replace"), returncode, timeout_s)
     return row | {"wall_s": wall_s, "log": str(log_path.relative_to(out))}
+
+
+def median_round(runs: list[dict]) -> dict:
+    """One variant's row from its runs in several rounds: the run of median tokens/s.
+
+    Args:
+        runs: the variant's rows, one per round, in round order.
+
+    Returns:
+        The measured run of median tokens/s (the lower middle one of an even count), or the
+        first run when none was measured, with ``rounds_tokens_per_s``: every run's tokens/s
+        in round order, None where a run failed.
+    """
+    speeds = [r.get("tokens_per_s") if r.get("status") == "ok" else None for r in runs]
+    measured = sorted((speed, i) for i, speed in enumerate(speeds) if speed is not None)
+    pick = runs[measured[(len(measured) - 1) // 2][1]] if measured else runs[0]
+    return pick | {"rounds_tokens_per_s": speeds}
 
 
 def run_meta(argv: list[str], timeout_s: float, workloads: dict[str, dict]) -> dict:
@@ -988,8 +1012,8 @@ def add_mfu(row: dict, gemm_tflops: float | None) -> dict:
     return row | {"mfu": tflops / gemm_tflops if tflops and gemm_tflops else None}
 
 
-def _print_row(row: dict) -> None:
-    name = f"{row['workload']:<12} {row['variant']:<17}"
+def _print_row(row: dict, round_index: int | None = None) -> None:
+    name = f"{row['workload']:<12} {row['variant']:<17}" + ("" if round_index is None else f" r{round_index}")
     if row["status"] == "skipped":
         print(f"{name} skipped: {row['reason']}", flush=True)
     elif row["status"] == "error":
@@ -1024,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, help="warm-up steps (default: the workload's, 10 for GPT-2)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per variant")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per variant, alternating order; median row")
     parser.add_argument("--profile", choices=list(VARIANTS), help="run this variant alone and profile one step")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", type=Path, help=argparse.SUPPRESS)
@@ -1032,9 +1057,11 @@ def main(argv: list[str] | None = None) -> int:
         help="what computes lstrain's GPT-2 and BERT attention (their configs' attn_implementation)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    for name in ("steps", "warmup"):
+    for name in ("steps", "warmup", "rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.profile and args.rounds > 1:
+        parser.error("--profile profiles one run: leave --rounds out")
     if args.child:
         if len(args.workload or ()) != 1 or len(args.variant or ()) != 1:
             parser.error("--child takes exactly one --workload and one --variant")
@@ -1058,20 +1085,27 @@ def main(argv: list[str] | None = None) -> int:
         + (f": bf16 GEMM {gemm:.0f} TFLOP/s" if gemm else ""),
         flush=True,
     )
-    rows = []
+    if args.rounds > 1:
+        meta["rounds"] = args.rounds
+    runs: dict[tuple[str, str], list[dict]] = {}  # (workload, variant) -> its rows, one per round
     for workload in workloads:
-        for variant in variants:
-            profile_out = args.out / f"profile-{workload.name}-{variant.name}.txt" if args.profile else None
-            row = run_variant(workload, variant, *counts[workload.name], args.timeout, args.out, profile_out)
-            rows.append(add_mfu(row, gemm))
-            _print_row(rows[-1])
-            meta["wall_s"] = time.perf_counter() - started
-            if not args.profile:
-                # after every variant, so that a run stopped part-way keeps its rows
-                results = {"format": FORMAT, "meta": meta, "rows": rows}
-                (args.out / "e2e.json").write_text(json.dumps(results, indent=2) + "\n")
+        for index in range(args.rounds):
+            for variant in variants if index % 2 == 0 else variants[::-1]:
+                profile_out = args.out / f"profile-{workload.name}-{variant.name}.txt" if args.profile else None
+                round_index = index + 1 if args.rounds > 1 else None
+                row = run_variant(
+                    workload, variant, *counts[workload.name], args.timeout, args.out, profile_out, round_index
+                )
+                runs.setdefault((workload.name, variant.name), []).append(add_mfu(row, gemm))
+                _print_row(runs[workload.name, variant.name][-1], round_index)
+                meta["wall_s"] = time.perf_counter() - started
+                if not args.profile:
+                    # after every run, so that a command stopped part-way keeps its rows
+                    rows = [median_round(r) if args.rounds > 1 else r[0] for r in runs.values()]
+                    results = {"format": FORMAT, "meta": meta, "rows": rows}
+                    (args.out / "e2e.json").write_text(json.dumps(results, indent=2) + "\n")
     written = f"profiles in {args.out}" if args.profile else str(args.out / "e2e.json")
-    print(f"{len(rows)} rows in {meta['wall_s']:.0f} s: {written}")
+    print(f"{len(runs)} rows in {meta['wall_s']:.0f} s: {written}")
     return 0
 
 

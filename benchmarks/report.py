@@ -454,6 +454,14 @@ def _loss(row: dict) -> str:
     return text if row.get("loss_ok", True) else f"{text} (not sane)"
 
 
+def _rounds(speeds: list[float | None]) -> str:
+    """A variant's tokens/s over its rounds, as their range, e.g. ``116.0-119.2k in 3``."""
+    measured = [s for s in speeds if _num(s)]
+    failed = len(speeds) - len(measured)
+    spread = f"{min(measured) / 1e3:.1f}-{max(measured) / 1e3:.1f}k in {len(measured)}"
+    return spread + (f"; {failed} failed" if failed else "")
+
+
 def _e2e_table(rows: list[dict], judged: dict | None) -> list[str]:
     """One workload's table: a row per variant, lstrain's judged one in bold."""
     rival = _fastest([r for r in _judgeable(rows) if not is_ours(r["variant"])])
@@ -472,6 +480,9 @@ def _e2e_table(rows: list[dict], judged: dict | None) -> list[str]:
             continue
         tokens_per_s = r["tokens_per_s"]
         speed = f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s >= 1e3 else f"{tokens_per_s:.3g}"
+        speed = f"**{speed}**" if bold else speed
+        if len(r.get("rounds_tokens_per_s") or ()) > 1:
+            speed += f" ({_rounds(r['rounds_tokens_per_s'])})"
         mfu = _num(r.get("mfu"))
         versus = ""
         if is_ours(r["variant"]) and rival is not None:
@@ -479,7 +490,7 @@ def _e2e_table(rows: list[dict], judged: dict | None) -> list[str]:
         cells = [
             name,
             setup,
-            f"**{speed}**" if bold else speed,
+            speed,
             _fmt(r.get("ms_per_step"), ".2f"),
             "" if mfu is None else f"{100 * mfu:.1f}%",
             _fmt(r.get("peak_gib"), ".2f"),
@@ -502,7 +513,9 @@ def _e2e_run_line(meta: dict) -> str:
     wall = f" ({meta['wall_s']:.0f} s of wall time)" if _num(meta.get("wall_s")) else ""
     gemm = _num(meta.get("gemm_tflops"))
     rate = f"; bf16 GEMM rate **{gemm:.0f} TFLOP/s** ({meta.get('gemm_shape', 'torch.matmul')})" if gemm else ""
-    return f"- Run: {meta.get('device', '?')}, {when}; {versions}; `{meta.get('command', '?')}`{wall}{rate}"
+    rounds = meta.get("rounds")
+    median = f"; each row the median of {rounds} runs, in alternating order (their range beside it)" if rounds else ""
+    return f"- Run: {meta.get('device', '?')}, {when}; {versions}; `{meta.get('command', '?')}`{wall}{rate}{median}"
 
 
 def render_e2e(runs: list[dict]) -> list[str]:

@@ -308,6 +308,42 @@ def test_the_e2e_section_comes_first_with_a_table_per_workload():
     assert targets == "Targets (on lstrain-eager): >= 1.25x the best competitor: 1.40x torch-compile, **met**"
 
 
+def test_several_rounds_give_the_median_run_and_the_range():
+    runs = [
+        _e2e_row("gpt2-medium", "lstrain-captured", 100e3, 9.0),
+        _e2e_row("gpt2-medium", "lstrain-captured", status="error", error="timed out"),
+        _e2e_row("gpt2-medium", "lstrain-captured", 120e3, 9.0),
+        _e2e_row("gpt2-medium", "lstrain-captured", 110e3, 9.5),
+    ]
+    row = e2e.median_round(runs)
+    assert row["tokens_per_s"] == 110e3 and row["peak_gib"] == 9.5  # the median run whole, not a mix
+    assert row["rounds_tokens_per_s"] == [100e3, None, 120e3, 110e3]
+    assert e2e.median_round(runs[:1] + runs[2:3])["tokens_per_s"] == 100e3  # even: the lower middle
+    failed = e2e.median_round(runs[1:2] * 2)
+    assert failed["status"] == "error" and failed["rounds_tokens_per_s"] == [None, None]
+    run = _e2e_run()
+    run["meta"]["rounds"] = 4
+    captured = next(r for r in run["rows"] if r["variant"] == "lstrain-captured")
+    captured["rounds_tokens_per_s"] = [120e3, None, 126.2e3, 124e3]
+    text = report.render(_op_run(), [run])
+    assert "each row the median of 4 runs, in alternating order" in text
+    columns, rows, _ = _e2e_table(text, "GPT-2 medium")
+    assert rows[5][2] == "**126.2k** (120.0-126.2k in 3; 1 failed)" and len({len(r) for r in rows}) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--rounds", "2", "--profile", "torch-eager"], "--profile profiles one run"),
+    ],
+)
+def test_rounds_are_checked(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        e2e.main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_e2e_targets_not_judged_without_their_rows():
     run = _e2e_run()
     run["rows"] = [r for r in run["rows"] if report.is_ours(r["variant"]) or r["variant"] == "hf-liger"]
