@@ -4,6 +4,7 @@ Without CUDA the Triton interpreter is switched on here, before any lstrain kern
 defined, so the CPU tests run the real kernels. Tests marked ``gpu`` skip without CUDA.
 """
 
+import contextlib
 import os
 import tempfile
 
@@ -51,9 +52,9 @@ def _gpu_memory_shared_by_workers(request):
     if not torch.cuda.is_available():
         yield
         return
-    if "large_memory" in request.keywords:
-        with FileLock(os.path.join(tempfile.gettempdir(), "lstrain-tests-large-memory.lock")):
+    lock = FileLock(os.path.join(tempfile.gettempdir(), "lstrain-tests-large-memory.lock"))
+    with lock if "large_memory" in request.keywords else contextlib.nullcontext():
+        try:
             yield
-    else:
-        yield
-    torch.cuda.empty_cache()  # a worker's cached blocks would starve the others' large tests
+        finally:  # before the lock goes: a worker's cached blocks would starve the next large test
+            torch.cuda.empty_cache()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lstrain.ops._lib.options import bool_option
 from lstrain.ops.attention_softmax import attention_softmax
 
 __all__ = ["AttentionSoftmax"]
@@ -18,12 +19,15 @@ class AttentionSoftmax(torch.nn.Module):
 
     ``forward(scores, key_padding_mask=None, mask=None)``: see
     :func:`lstrain.ops.attention_softmax` for the masks.
+
+    Raises:
+        ValueError: ``causal`` is not a bool (``bool()`` would read ``"no"`` as True).
     """
 
     def __init__(self, scale: float = 1.0, causal: bool = False) -> None:
         super().__init__()
         self.scale = scale
-        self.causal = causal
+        self.causal = bool_option("AttentionSoftmax", "causal", causal)  # refused here, not at forward
 
     def forward(
         self,

@@ -75,7 +75,8 @@ def shared_input_linear(
 
     Args:
         x: ``[*, in]``.
-        weights: one or more ``[out_i, in]`` weights (torch's Linear layout), x's dtype and
+        weights: one or more ``[out_i, in]`` weights (torch's Linear layout; a sequence, or
+            one ``[n, out, in]`` tensor stacking n of them), x's dtype and
             device.
         biases: None (no biases), or one ``[out_i]`` bias or None per weight.
 
@@ -83,13 +84,17 @@ def shared_input_linear(
         A tuple of ``[*, out_i]`` tensors in x's dtype, one per weight.
 
     Raises:
-        ValueError: weights or biases given as one tensor, no weights, a biases list of
+        ValueError: one weight or bias where a sequence belongs, no weights, a biases list of
             another length, x or a weight / bias that is no tensor, x a scalar, or a weight /
             bias whose shape, dtype or device does not fit (named by its position).
     """
-    for name, value in (("weights", weights), ("biases", biases)):
-        if isinstance(value, torch.Tensor):  # list() would split it into rows
-            raise ValueError(f"shared_input_linear: {name} must be a list or tuple of tensors, got one tensor")
+    for name, value, dims in (("weights", weights, 3), ("biases", biases, 2)):
+        # one weight (or bias) where a sequence belongs: list() would split it into rows
+        if isinstance(value, torch.Tensor) and value.dim() < dims:
+            raise ValueError(
+                f"shared_input_linear: {name} must be a sequence of them (a list, or one tensor stacking them), "
+                f"got one tensor of shape {tuple(value.shape)}"
+            )
     weights = list(weights)
     if not weights:
         raise ValueError("shared_input_linear: weights must hold at least one weight, got none")

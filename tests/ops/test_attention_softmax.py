@@ -148,6 +148,8 @@ def test_module(device):
     scores = torch.randn(1, 2, 4, 4, device=device)
     torch.testing.assert_close(module(scores), attention_softmax_ref(scores, scale=0.25, causal=True))
     assert "causal=True" in repr(module)
+    with pytest.raises(ValueError, match="AttentionSoftmax: causal must be a bool, got int 1"):
+        lstrain.nn.AttentionSoftmax(causal=1)
 
 
 def test_torch_compile_fullgraph(device):

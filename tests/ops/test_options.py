@@ -91,7 +91,7 @@ def test_bad_values_name_the_option(device, option):
 @pytest.mark.parametrize("option", OPTIONS)
 def test_a_cuda_tensor_option_asks_for_a_python_number(option):
     call, good, _ = _calls("cuda")[option]
-    with pytest.raises(ValueError, match=rf"{option.split()[1]} must be .*0-d tensor on cuda.*pass a Python number"):
+    with pytest.raises(ValueError, match=rf"{option.split()[1]} must be .*0-d tensor on cuda.*pass a Python float"):
         call(torch.tensor(good, device="cuda"))
 
 
@@ -155,3 +155,14 @@ def test_flags_are_bools(device, flag):
         with pytest.raises(ValueError, match=rf"{op}: {name} must be a bool"):
             call(value)
     assert bool_option("op", "f", np.bool_(True)) is True
+
+
+@pytest.mark.parametrize(
+    ("check", "advice"),
+    [(lambda v: bool_option("op", "f", v), r"pass a Python bool \(bool\(f\)"),
+     (lambda v: int_option("op", "f", v), r"pass a Python int \(int\(f\)"),
+     (lambda v: float_option("op", "f", v), r"pass a Python float \(float\(f\)")],
+)  # fmt: skip
+def test_a_device_tensor_option_is_told_the_conversion_its_check_takes(check, advice):
+    with pytest.raises(ValueError, match=rf"op: f must be .* 0-d tensor on meta; .*{advice}"):
+        check(torch.tensor(1, device="meta"))

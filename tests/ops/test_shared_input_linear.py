@@ -154,12 +154,15 @@ def test_bad_shapes_are_named(weights, biases, match):
         )
 
 
-def test_one_tensor_for_a_list_is_named():
+def test_one_weight_for_a_sequence_is_named_and_a_stack_is_a_sequence():
     x, w = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
-    with pytest.raises(ValueError, match="weights must be a list or tuple of tensors, got one tensor"):
+    with pytest.raises(ValueError, match=r"weights must be a sequence of them .*got one tensor of shape \(5, 4\)"):
         shared_input_linear(x, w)
-    with pytest.raises(ValueError, match="biases must be a list or tuple of tensors, got one tensor"):
+    with pytest.raises(ValueError, match=r"biases must be a sequence of them .*got one tensor of shape \(5,\)"):
         shared_input_linear(x, [w], torch.randn(5, device=DEVICE))
+    stacked, biases = torch.randn(2, 5, 4, device=DEVICE), torch.randn(2, 5, device=DEVICE)
+    for ours, weight, bias in zip(shared_input_linear(x, stacked, biases), stacked, biases, strict=True):
+        torch.testing.assert_close(ours, x @ weight.t() + bias)
 
 
 def test_bad_dtypes_are_named():

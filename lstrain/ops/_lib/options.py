@@ -18,15 +18,16 @@ import torch
 __all__ = ["bool_option", "check_tensors", "float_option", "int_option"]
 
 
-def _host_value(op: str, name: str, value: object, kind: str) -> object:
-    """``value`` as a Python scalar, or a ValueError naming ``name`` when it is no scalar."""
+def _host_value(op: str, name: str, value: object, kind: str, python: str = "float") -> object:
+    """``value`` as a Python scalar, or a ValueError naming ``name`` when it is no scalar;
+    ``python`` names the conversion a CUDA tensor's message asks for (float, int, bool)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.is_complex():
             raise ValueError(f"{op}: {name} must be {kind}, got a tensor of shape {tuple(value.shape)}")
         if value.device.type != "cpu":
             raise ValueError(
                 f"{op}: {name} must be {kind}, got a 0-d tensor on {value.device}; reading it would synchronise "
-                f"with the host: pass a Python number (float({name}) once, outside the step)"
+                f"with the host: pass a Python {python} ({python}({name}) once, outside the step)"
             )
         return value.item()
     return value
@@ -98,7 +99,7 @@ def int_option(op: str, name: str, value: object, low: int | None = None) -> int
             included) or below ``low``.
     """
     kind = "an integer" if low is None else f"an integer >= {low}"
-    scalar = _host_value(op, name, value, kind)
+    scalar = _host_value(op, name, value, kind, "int")
     if isinstance(scalar, bool) or not isinstance(scalar, numbers.Integral):
         raise ValueError(f"{op}: {name} must be {kind}, got {type(value).__name__} {value!r}")
     if low is not None and scalar < low:
@@ -121,7 +122,7 @@ def bool_option(op: str, name: str, value: object) -> bool:
         ValueError: naming ``name`` and ``value``: not a bool (ints, strings and None
             included: ``bool()`` of them would read ``"no"`` as True).
     """
-    scalar = _host_value(op, name, value, "a bool")
+    scalar = _host_value(op, name, value, "a bool", "bool")
     if not isinstance(scalar, (bool, np.bool_)):
         raise ValueError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(scalar)
