@@ -217,7 +217,14 @@ def dim_order(x: torch.Tensor) -> list[int]:
     Returns:
         A permutation of ``range(x.dim())``.
     """
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    # an insertion sort by falling stride (ties in dim order): Dynamo cannot sort by the
+    # symbolic strides of a dynamic-shape trace, but it can compare them
+    order: list[int] = []
+    for d in range(x.dim()):
+        at = len(order)
+        while at > 0 and x.stride(order[at - 1]) < x.stride(d):
+            at -= 1
+        order.insert(at, d)
     expected, stride = [0] * x.dim(), 1
     for d in reversed(order):
         expected[d], stride = stride, stride * x.shape[d]

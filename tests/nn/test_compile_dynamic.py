@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lstrain.nn as lnn
-from lstrain.layers import TransformerLayer
+from lstrain.layers import DecoderLayer, TransformerLayer
 from tests.conftest import DEVICE
 
 D = 32
@@ -20,6 +20,10 @@ MODULES = {
     "BiasDropoutResidual": (lambda: lnn.BiasDropoutResidual(D, 0.0), lambda n: (torch.randn(n, D), torch.randn(n, D))),
     "AttentionSoftmax": (lambda: lnn.AttentionSoftmax(0.5, causal=True), lambda n: (torch.randn(1, 2, n, n),)),
     "TransformerLayer": (lambda: TransformerLayer(D, 2).eval(), lambda n: (torch.randn(2, n, D),)),
+    "DecoderLayer": (  # LLaMA's: GQA, RoPE on the packed projection, SwiGLU
+        lambda: DecoderLayer(D, 2, 1, D // 2, 2 * D).eval(),
+        lambda n: (torch.randn(1, n, D), torch.randn(n, D // 2), torch.randn(n, D // 2)),
+    ),
 }
 
 

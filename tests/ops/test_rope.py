@@ -182,6 +182,29 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(grad, ref_grad)
 
 
+def test_torch_compile_dynamic_shapes(device):
+    """One graph over several sequence lengths (symbolic strides), each call equal to eager."""
+    backend = "inductor" if device == "cuda" else "aot_eager"
+
+    def f(qkv, x, cos, sin):
+        q, k, _ = rope_qkv(qkv, cos, sin, 2, 1)
+        return q.square().sum() + k.sum() + rope(x.transpose(1, 2), cos, sin).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    for batch, seq in ((1, 3), (1, 5), (2, 7)):  # a batch of 1 traced with symbolic strides
+        cos, sin = _tables(seq, 16, device=device)
+        qkv = torch.randn(batch, seq, 4 * 16, device=device, requires_grad=True)
+        x = torch.randn(batch, seq, 2, 16, device=device, requires_grad=True)  # HF's [b, s, h, d] -> [b, h, s, d]
+        out = compiled(qkv, x, cos, sin)
+        grads = torch.autograd.grad(out, (qkv, x))
+        ref_out = f(qkv, x, cos, sin)
+        ref_grads = torch.autograd.grad(ref_out, (qkv, x))
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(grads, ref_grads)
+        assert grads[1].stride() == x.stride()
+
+
 def test_custom_ops_pass_opcheck(device):
     cos, sin = _tables(5, 8, device=device)
     x = torch.randn(2, 3, 5, 8, device=device)
