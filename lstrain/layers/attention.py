@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lstrain.layers._residual import add_residual
 from lstrain.ops import attention_softmax, linear, qkv_attention, qkv_projection, qkv_projection_ref
+from lstrain.ops._lib.options import bool_option, int_option
 from lstrain.ops.qkv_attention import SUPPORTED_HEAD_DIMS
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "SelfAttention", "check_attention_inputs", "sdpa_mask"]
@@ -122,8 +123,9 @@ class SelfAttention(torch.nn.Module):
         device, dtype: of the parameters.
 
     Raises:
-        ValueError: ``dim`` not a multiple of ``heads``, a dropout outside [0, 1), or an
-            unknown ``attn_implementation``; in forward, an ``x`` or ``key_padding_mask``
+        ValueError: ``heads`` not an integer >= 1 or ``causal`` not a bool, ``dim`` not a
+            multiple of ``heads``, a dropout outside [0, 1), or an unknown
+            ``attn_implementation``; in forward, an ``x`` or ``key_padding_mask``
             of the wrong shape, dtype or device (:func:`check_attention_inputs`).
 
     ``forward(x, residual, key_padding_mask=None, attn_bias=None, norm=None, seed=None,
@@ -155,7 +157,10 @@ class SelfAttention(torch.nn.Module):
             raise ValueError(
                 f"SelfAttention: attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}"
             )
-        if heads <= 0 or dim % heads:
+        # Python values from numpy ones too: Dynamo cannot trace a numpy scalar in forward
+        heads = int_option("SelfAttention", "heads", heads, 1)
+        causal = bool_option("SelfAttention", "causal", causal)
+        if dim % heads:
             raise ValueError(f"SelfAttention: dim={dim} must be a multiple of heads={heads}")
         for name, p in (("attn_dropout", attn_dropout), ("resid_dropout", resid_dropout)):
             if not 0.0 <= p < 1.0:

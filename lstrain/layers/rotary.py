@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lstrain.layers.attention import check_attention_inputs, sdpa_mask
 from lstrain.ops import linear, rope_qkv, rope_qkv_ref, rope_ref
+from lstrain.ops._lib.options import int_option
 
 __all__ = ["RotaryAttention", "rope_qkv_torch", "rope_torch", "rotary_cos_sin"]
 
@@ -156,7 +157,8 @@ class RotaryAttention(torch.nn.Module):
         device, dtype: of the parameters.
 
     Raises:
-        ValueError: head counts that do not divide, an odd head_dim, or a dropout outside [0, 1).
+        ValueError: head counts or head_dim not integers >= 1, head counts that do not
+            divide, an odd head_dim, or a dropout outside [0, 1).
 
     ``forward(x, cos, sin, key_padding_mask=None)``: ``x`` ``[batch, seq, dim]`` (normalised),
     cos / sin as for :func:`rope_torch`, ``key_padding_mask`` ``[batch, seq]`` bool (True =
@@ -176,9 +178,14 @@ class RotaryAttention(torch.nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        # Python ints from numpy ones too: Dynamo cannot trace a numpy scalar in forward
+        heads, kv_heads, head_dim = (
+            int_option("RotaryAttention", name, value, 1)
+            for name, value in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim))
+        )
+        if heads % kv_heads:
             raise ValueError(f"RotaryAttention: heads={heads} must be a positive multiple of kv_heads={kv_heads}")
-        if head_dim <= 0 or head_dim % 2:
+        if head_dim % 2:
             raise ValueError(f"RotaryAttention: head_dim must be a positive even number, got {head_dim}")
         if not 0.0 <= attn_dropout < 1.0:
             raise ValueError(f"RotaryAttention: attn_dropout must be in [0, 1), got {attn_dropout}")

@@ -2,6 +2,7 @@
 passes their float options (eps, dropout, label smoothing, scale) as symbolic floats:
 one graph over several sizes, each call equal to eager."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,18 @@ MODULES = {
         lambda n: (torch.randn(1, n, D), torch.randn(n, D // 2), torch.randn(n, D // 2)),
     ),
 }
+
+
+def test_numpy_head_counts_and_flags_become_python_values():
+    """Configs read from numpy (or a JSON loader that yields numpy scalars) trace like Python values."""
+    torch.manual_seed(0)
+    layer = TransformerLayer(D, np.int64(2), causal=np.bool_(True)).eval().to(DEVICE)
+    assert type(layer.attn.heads) is int and type(layer.attn.causal) is bool
+    x = torch.randn(2, 5, D, device=DEVICE)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-6)
+    rotary = DecoderLayer(D, np.int64(2), np.int64(1), np.int64(D // 2), 2 * D).self_attn
+    assert (type(rotary.heads), type(rotary.kv_heads), type(rotary.head_dim)) == (int, int, int)
 
 
 @pytest.mark.parametrize("name", MODULES)
