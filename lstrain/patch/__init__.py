@@ -4,7 +4,8 @@
 :func:`lstrain.patch.instance.patch`, ``lstrain.unpatch(model)`` undoes it. The supported
 families are the one table in ``lstrain.patch.families``: GPT-2 (GPT2LMHeadModel,
 GPT2Model), BERT (BertForMaskedLM, BertModel), LLaMA (LlamaForCausalLM, LlamaModel),
-Mistral (MistralForCausalLM, MistralModel) and Qwen2 (Qwen2ForCausalLM, Qwen2Model).
+Mistral (MistralForCausalLM, MistralModel), Qwen2 (Qwen2ForCausalLM, Qwen2Model) and Qwen3
+(Qwen3ForCausalLM, Qwen3Model).
 
 Supported transformers versions: 5.x. Tested with transformers 5.25 (the CPU, Triton's
 interpreter) and 5.17 (an H200, an H100). ``patch`` checks the installed version and refuses another

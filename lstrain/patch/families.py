@@ -6,10 +6,11 @@ forward computes, and the family's own RMSNorm, activation and attention classes
 instances ``patch`` may swap or route through lstrain. A class outside this table is refused: its
 forward may route labels, heads or losses in ways the patched forward would get wrong.
 
-Mistral and Qwen2 are LLaMA's modules under their own names (transformers generates their
-modeling files from LLaMA's): the same RMSNorm (fp32 statistics, ``variance_epsilon``),
-rotary embedding and attention, whose only difference is the ``sliding_window`` argument
-their attention forwards pass on to the attention function.
+Mistral, Qwen2 and Qwen3 are LLaMA's modules under their own names (transformers generates
+their modeling files from LLaMA's): the same RMSNorm (fp32 statistics, ``variance_epsilon``),
+rotary embedding and attention, whose differences are the ``sliding_window`` argument their
+attention forwards pass on to the attention function and, in Qwen3, an RMSNorm over each
+head of q and k before the rotation.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Family:
             its forward takes the ``sliding_window`` it passes to the attention function:
             ``"none"`` (LLaMA passes none), ``"config"`` (``config.sliding_window``, as
             Mistral) or ``"module"`` (the module's own ``sliding_window``, as Qwen2).
+        head_norms: whether those attention modules normalise each head of q and k
+            (``q_norm``, ``k_norm``: instances of one of ``rms_norms`` over ``head_dim``)
+            before the rotation, as Qwen3's do.
     """
 
     name: str
@@ -53,6 +57,7 @@ class Family:
     tanh_gelus: tuple[str, ...] = ()
     mlps: tuple[str, ...] = ()
     attentions: dict[str, str] = field(default_factory=dict)
+    head_norms: bool = False
 
 
 # transformers' "gelu_new" (GPT-2's default activation_function; a BERT config may name it)
@@ -109,6 +114,18 @@ FAMILIES = (
         rms_norms=("transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",),
         mlps=("transformers.models.qwen2.modeling_qwen2.Qwen2MLP",),
         attentions={"transformers.models.qwen2.modeling_qwen2.Qwen2Attention": "module"},
+    ),
+    Family(
+        name="Qwen3",
+        classes={
+            "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM": "lm_head",
+            "transformers.models.qwen3.modeling_qwen3.Qwen3Model": None,
+        },
+        loss="causal",
+        rms_norms=("transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",),
+        mlps=("transformers.models.qwen3.modeling_qwen3.Qwen3MLP",),
+        attentions={"transformers.models.qwen3.modeling_qwen3.Qwen3Attention": "module"},
+        head_norms=True,
     ),
 )
 

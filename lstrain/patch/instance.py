@@ -11,8 +11,8 @@ head, an instance attribute ``forward`` shadows the class's forward to compute t
 through ``lstrain.ops.linear_cross_entropy``; and each
 rotary attention module gets an instance ``forward`` that rotates q and k through
 ``lstrain.ops.rope`` (q, k and v through ``shared_input_linear``, the output projection
-through ``lstrain.ops.linear``); the swapped RMSNorms and the decoder layers holding them get instance
-forwards that make the norms' outputs again in backward rather than keep them. A config
+through ``lstrain.ops.linear``); the decoder layers' swapped RMSNorms and the layers themselves get
+instance forwards that make the norms' outputs again in backward rather than keep them. A config
 whose attention implementation is "sdpa" names
 ``lstrain.patch.attention.SKIP_SDPA`` instead (transformers' SDPA with its mask skip kept
 under CUDA-graph capture and torch.compile, registered in transformers' attention registries
@@ -21,7 +21,7 @@ function when the position ids are its own. The class, every other instance of i
 transformers' module functions are left as they were; ``unpatch`` puts the original modules
 back, removes (or restores) the instance ``forward`` attributes and the config's "sdpa".
 
-Numerics of the RMSNorm swap: transformers' LlamaRMSNorm (and Mistral's, Qwen2's) computes
+Numerics of the RMSNorm swap: transformers' LlamaRMSNorm (and Mistral's, Qwen2's, Qwen3's) computes
 ``x * rsqrt(mean(x^2) + eps)`` in fp32, casts that to the input's dtype, then multiplies by
 the weight in the weight's dtype: two roundings in bf16/fp16, and a result of the promoted
 dtype (fp32 for fp32 weights and a bf16 input). ``lstrain.ops.rms_norm`` does all of it in
@@ -282,10 +282,11 @@ def _route_mlps(model: torch.nn.Module, family: Family, enabled: bool, state: _P
             report.swapped.append(Swapped(path, _MLP_ROUTE, _MLP_OPS))
 
 
-def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str):
+def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: str, head_norms: bool):
     """A forward for one rotary attention module that rotates q and k through ``rope``.
 
-    It is the forward of transformers 5.x's LlamaAttention (Mistral's, Qwen2's) with the
+    It is the forward of transformers 5.x's LlamaAttention (Mistral's, Qwen2's; with
+    ``head_norms``, Qwen3's, whose ``q_norm`` and ``k_norm`` normalise each head first) with the
     rotation through lstrain's op, q / k / v through ``shared_input_linear`` and the output
     projection through ``lstrain.ops.linear`` where they are plain Linears (their weight
     gradients into a flat buffer, the input gradient summed in the GEMMs); the KV cache
@@ -311,8 +312,13 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
             kwargs.pop(name, None)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attention.head_dim)
-        projections = _projections(hidden_states, attention.q_proj, attention.k_proj, attention.v_proj)
-        query, key, value = (p.view(hidden_shape).transpose(1, 2) for p in projections)
+        query, key, value = (
+            p.view(hidden_shape)
+            for p in _projections(hidden_states, attention.q_proj, attention.k_proj, attention.v_proj)
+        )
+        if head_norms:
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
         query, key = rope(query, cos, sin), rope(key, cos, sin)
         if cache is not None:
@@ -341,7 +347,7 @@ def _rope_attention_forward(attention: torch.nn.Module, rope, sliding_window: st
     return forward
 
 
-def _rope_reason(module: torch.nn.Module, sliding_window: str) -> str | None:
+def _rope_reason(module: torch.nn.Module, sliding_window: str, head_norms: bool) -> str | None:
     """Why ``module``'s forward cannot be routed through lstrain's rope, or None if it can."""
     parameters = list(inspect.signature(module.forward).parameters.values())
     names = [p.name for p in parameters[:3]]
@@ -351,6 +357,7 @@ def _rope_reason(module: torch.nn.Module, sliding_window: str) -> str | None:
         return f"its forward takes ({', '.join(p.name for p in parameters)}), not this transformers 5.x one"
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "attention_dropout")
     needed += ("sliding_window",) if sliding_window == "module" else ()
+    needed += ("q_norm", "k_norm") if head_norms else ()
     missing = [name for name in needed if not hasattr(module, name)]
     if missing:
         return f"has no {', '.join(missing)}"
@@ -371,10 +378,10 @@ def _route_rope(model: torch.nn.Module, family: Family, enabled: bool, state: _P
             continue
         if not enabled:
             report.left_alone.append(LeftAlone(path, "rope=False"))
-        elif (reason := _rope_reason(module, sliding_window)) is not None:
+        elif (reason := _rope_reason(module, sliding_window, family.head_norms)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
-            _set_forward(module, _rope_attention_forward(module, rope, sliding_window), state)
+            _set_forward(module, _rope_attention_forward(module, rope, sliding_window, family.head_norms), state)
             report.swapped.append(Swapped(path, _ROPE_ROUTE, "lstrain.ops.rope"))
 
 
@@ -418,7 +425,7 @@ def _recomputing_forward():
     return forward
 
 
-def _recompute_norm_outputs(model: torch.nn.Module, enabled: bool, state: _PatchState) -> None:
+def _recompute_norm_outputs(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
     report = state.report
     swapped = {id(getattr(parent, name)) for parent, name, _ in state.modules}
     # the final norm's output leaves the base model for the LM head: only the layers' norms
@@ -429,7 +436,8 @@ def _recompute_norm_outputs(model: torch.nn.Module, enabled: bool, state: _Patch
             continue
         parent_path = path.rpartition(".")[0]
         parent = model.get_submodule(parent_path)
-        if id(parent) in outer:
+        # q / k head norms (Qwen3): the rotation after them saves none of their outputs
+        if id(parent) in outer or _type_name(parent) in family.attentions:
             continue
         if not enabled:
             report.left_alone.append(LeftAlone(path, "recompute_norms=False"))
@@ -569,7 +577,7 @@ def patch(
 
     Supported (``lstrain.patch.families``): GPT2LMHeadModel, GPT2Model, BertForMaskedLM,
     BertModel, LlamaForCausalLM, LlamaModel, MistralForCausalLM, MistralModel,
-    Qwen2ForCausalLM, Qwen2Model, with transformers 5.x. The class is never changed. With
+    Qwen2ForCausalLM, Qwen2Model, Qwen3ForCausalLM, Qwen3Model, with transformers 5.x. The class is never changed. With
     ``cross_entropy``, a forward given ``labels`` returns the loss computed by
     ``lstrain.ops.linear_cross_entropy`` with the model's own semantics (the causal label
     shift, ignore index -100, the mean over kept tokens, ``num_items_in_batch``) and
@@ -649,7 +657,7 @@ def patch(
     _swap_tanh_gelus(model, family, activation, state)
     _route_mlps(model, family, activation, state)
     _route_attention_masks(model, sdpa_mask_skip, state)
-    _recompute_norm_outputs(model, recompute_norms, state)
+    _recompute_norm_outputs(model, family, recompute_norms, state)
     if head_path is None:
         state.report.left_alone.append(LeftAlone("", f"{type(model).__name__} has no LM head, so no loss to fuse"))
     elif not cross_entropy:

@@ -1,4 +1,4 @@
-"""lstrain.patch on tiny random LLaMA, Mistral and Qwen2 models: the same losses, gradients and weights."""
+"""lstrain.patch on tiny random LLaMA, Mistral, Qwen2 and Qwen3 models: the same losses, gradients and weights."""
 
 from __future__ import annotations
 
@@ -29,16 +29,31 @@ def _config(family: str, tied: bool = False, layers: int = LAYERS):
         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
         tie_word_embeddings=tied, attn_implementation="eager" if family == "llama" else "sdpa",
     )  # fmt: skip
-    # LLaMA with eager attention; Mistral and Qwen2 with transformers' default, SDPA.
+    # LLaMA with eager attention; the others with transformers' default, SDPA.
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "mistral":  # a window shorter than the batch's 12 tokens: the sliding mask is used
         return transformers.MistralConfig(sliding_window=8, **common)
+    if family == "qwen3":  # heads x head_dim (64) is not the width; the last layer's window is 8
+        return transformers.Qwen3Config(
+            head_dim=HEAD_DIMS[family], use_sliding_window=True, sliding_window=8, max_window_layers=layers - 1,
+            **common,
+        )  # fmt: skip
     return transformers.Qwen2Config(**common)  # Qwen2: biased q, k, v projections
 
 
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-BASE = {"llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+CAUSAL_LM = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}  # fmt: skip
+BASE = {"llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model", "qwen3": "Qwen3Model"}
+HEAD_DIMS = {"qwen3": 16}  # the others: 32 wide / 4 heads
+# RMSNorms of a model: two a layer and the final one; Qwen3's attention adds one for q's heads and one for k's
+NORMS_PER_LAYER = {"qwen3": 4}
+
+
+def _norm_count(family: str) -> int:
+    return NORMS_PER_LAYER.get(family, 2) * LAYERS + 1
 
 
 def _model(family: str = "llama", *, tied: bool = False, base: bool = False, layers: int = LAYERS):
@@ -83,8 +98,8 @@ def _cache_of(output):
     return cache if cache is not None else output["past_key_values"]
 
 
-FAMILIES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False)]
-IDS = ["llama", "llama-tied", "mistral", "qwen2"]
+FAMILIES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen3", False)]
+IDS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize(("family", "tied"), FAMILIES, ids=IDS)
@@ -93,7 +108,7 @@ def test_patched_loss_and_gradients_match_hf(family, tied):
     model = copy.deepcopy(reference)
     report = lstrain.patch(model)
     norms = [s.path for s in report.swapped if s.new_type == "lstrain.nn.rms_norm.RMSNorm"]
-    assert len(norms) == 2 * LAYERS + 1 and "model.norm" in norms
+    assert len(norms) == _norm_count(family) and "model.norm" in norms
     assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.linear_cross_entropy"] == ["lm_head"]
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -117,7 +132,7 @@ def test_patched_loss_and_gradients_match_hf(family, tied):
         torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize(("family", "tied"), [("llama", True), ("mistral", False), ("qwen2", False)])
+@pytest.mark.parametrize(("family", "tied"), [("llama", True), ("mistral", False), ("qwen2", False), ("qwen3", False)])
 def test_rope_routes_each_attention_through_the_op(monkeypatch, family, tied):
     # A stand-in with lstrain.ops.rope's signature records the calls the routing makes.
     calls = []
@@ -131,7 +146,8 @@ def test_rope_routes_each_attention_through_the_op(monkeypatch, family, tied):
     input_ids, labels = _batch(False)
     expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
     got, grads = _loss_and_grads(model, input_ids, labels)
-    assert calls == [(2, 4, 12, 8), (2, 2, 12, 8)] * LAYERS  # q and k (grouped: 2 kv heads) of each layer
+    head_dim = HEAD_DIMS.get(family, 8)
+    assert calls == [(2, 4, 12, head_dim), (2, 2, 12, head_dim)] * LAYERS  # q and k (2 kv heads) of each layer
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
     for key, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
@@ -216,7 +232,7 @@ def test_patching_twice_is_a_no_op():
         lstrain.patch(model, rms_norm=False)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_unpatch_restores_modules_and_outputs(family, monkeypatch):
     monkeypatch.setattr(lstrain.ops, "rope", _rope_stand_in([]), raising=False)
     model = _model(family)
@@ -268,12 +284,12 @@ def test_save_pretrained_from_pretrained_round_trip(tmp_path, build, tied):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_base_models_patch_rms_norms(family):
     reference = _model(family, base=True)
     model = copy.deepcopy(reference)
     report = lstrain.patch(model)
-    assert sum(s.new_type == "lstrain.nn.rms_norm.RMSNorm" for s in report.swapped) == 2 * LAYERS + 1
+    assert sum(s.new_type == "lstrain.nn.rms_norm.RMSNorm" for s in report.swapped) == _norm_count(family)
     assert "" in [item.path for item in report.left_alone]
     input_ids, _ = _batch(False)
     with torch.no_grad():
@@ -440,11 +456,12 @@ def test_a_projection_with_a_forward_of_its_own_runs_it():
     assert [op for op, _ in ran].count("shared_input_linear") == 2 * LAYERS - 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
     """The layers' norm outputs are saved as recipes (two a layer: the attention's and the
     MLP's projections read them), made again in backward; the loss and every gradient are
-    the bits of the patch that keeps them. The final norm is not a candidate."""
+    the bits of the patch that keeps them. The final norm is not a candidate, nor are
+    Qwen3's q / k head norms (the rotation saves none of their outputs)."""
     from lstrain.layers import recompute
 
     made = []

@@ -106,12 +106,13 @@ def test_gradient_checkpointing_matches_unpatched():
         torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def test_torch_compile_of_a_patched_model_matches_eager():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the head norms in the attention
+def test_torch_compile_of_a_patched_model_matches_eager(family):
     # aot_eager on the CPU: Inductor's C++ compile of this 2-layer model took 42 s on the
     # shared 2-core CPU, most of the patch tests' budget; on a GPU, Inductor. The patched
     # forward compiles as two graphs (the model; the loss) around one deliberate break.
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
-    model = _model("llama", layers=1)
+    model = _model(family, layers=1)
     lstrain.patch(model)
     input_ids, labels = _batch(False)
     expected, expected_grads = _loss_and_grads(model, input_ids, labels)
