@@ -48,14 +48,21 @@ class _RecordingTrainer(transformers.Trainer):
         return loss
 
 
-def _train(model, tmp_path):
+def _train(model, tmp_path, optimizer=None, **options):
+    """Three steps of two accumulated micro-batches under HF Trainer, with ``optimizer``
+    (None: the Trainer's AdamW) and ``options`` over these TrainingArguments."""
     pytest.importorskip("accelerate")  # transformers.Trainer needs it
-    arguments = transformers.TrainingArguments(
+    arguments = dict(
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=DEVICE == "cpu", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
-    trainer = _RecordingTrainer(model=model, args=arguments, train_dataset=_Dataset())
+    trainer = _RecordingTrainer(
+        model=model,
+        args=transformers.TrainingArguments(**(arguments | options)),
+        train_dataset=_Dataset(),
+        optimizers=(optimizer, None),
+    )
     trainer.train()
     return trainer
 
@@ -85,6 +92,28 @@ def test_hf_trainer_with_gradient_accumulation_matches_unpatched(tmp_path, monke
     # not see a wrong num_items_in_batch, a constant factor: the losses above do.)
     weights = dict(reference.named_parameters())
     for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter, weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_hf_trainer_with_lstrains_optimizer_matches_torchs(tmp_path):
+    # A script's likely next step after patching: lstrain's FusedAdamW (flat gradient buffers,
+    # the projections' weight gradients written into them) under the Trainer's clipping,
+    # schedule, accumulation and model.zero_grad(), against torch's AdamW on the unpatched model.
+    from lstrain.optim import FusedAdamW
+
+    reference = _model("llama", layers=1)
+    model = copy.deepcopy(reference)
+    lstrain.patch(model)
+    options = {"max_grad_norm": 0.5, "lr_scheduler_type": "linear", "warmup_steps": 1}
+    hyper = {"lr": 1e-3, "weight_decay": 0.01}
+    expected = _train(reference, tmp_path / "reference", torch.optim.AdamW(reference.parameters(), **hyper), **options)
+    got = _train(model, tmp_path / "patched", FusedAdamW(model.parameters(), **hyper), **options)
+    logged = [
+        [e[key] for e in t.state.log_history if "loss" in e for key in ("loss", "grad_norm")] for t in (got, expected)
+    ]
+    assert len(logged[0]) == 2 * 3 and logged[0] == pytest.approx(logged[1], rel=1e-4)
+    weights = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():  # lr / 10 absolute, as the test above says why
         torch.testing.assert_close(parameter, weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
