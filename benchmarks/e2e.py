@@ -356,7 +356,7 @@ def _hf_patched(workload: Workload) -> torch.nn.Module:
 
     model = _hf_model(workload)
     report = lstrain.patch(model)
-    print(f"lstrain.patch: {len(report.swapped)} modules swapped, left alone: {report.left_alone}", flush=True)
+    print(report, flush=True)
     return model
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -92,11 +93,40 @@ class LeftAlone:
 
 @dataclass
 class PatchReport:
-    """What ``patch`` did to a model."""
+    """What ``patch`` did to a model; ``str()`` of it is a summary, one line per kind of change
+    with the layers' indices folded (``model.layers.*.mlp (x24)``)."""
 
     family: str
     swapped: list[Swapped] = field(default_factory=list)
     left_alone: list[LeftAlone] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        swapped = _fold((s.path, f"{_short(s.old_type)} -> {_short(s.new_type)}") for s in self.swapped)
+        left_alone = _fold((item.path, item.reason) for item in self.left_alone)
+        lines = [f"lstrain.patch ({self.family}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
+        lines += [f"  swapped     {path}{count}: {what}" for path, count, what in swapped]
+        lines += [f"  left alone  {path}{count}: {why}" for path, count, why in left_alone]
+        return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    """A class's name as users write it: ``Qwen3RMSNorm`` for transformers' classes,
+    ``torch.nn.LayerNorm`` and ``lstrain.nn.RMSNorm`` for the modules' own."""
+    if name.startswith("transformers."):
+        return name.rsplit(".", 1)[1]
+    return re.sub(r"^(torch\.nn|lstrain\.nn)\.(?:modules\.)?\w+\.(\w+)$", r"\1.\2", name)
+
+
+def _fold(entries) -> list[tuple[str, str, str]]:
+    """``(path, text)`` pairs grouped by the path with its indices made ``*``, in first-seen
+    order: ``(path, " (xN)" or "", text)``, the path folded only where a group has several."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, text in entries:
+        groups.setdefault((re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path), text), []).append(path)
+    return [
+        (folded if len(paths) > 1 else paths[0] or "(the model)", f" (x{len(paths)})" if len(paths) > 1 else "", text)
+        for (folded, text), paths in groups.items()
+    ]
 
 
 @dataclass

@@ -207,6 +207,21 @@ def test_options_leave_modules_alone():
     assert {item.reason for item in report.left_alone} == {"layer_norm=False", "cross_entropy=False"}
 
 
+def test_the_reports_summary_folds_layers_and_names_reasons():
+    model = _gpt2()
+    model.transformer.h[0].ln_2.register_forward_hook(lambda *args: None)
+    lines = str(lstrain.patch(model, cross_entropy=False)).splitlines()
+    assert lines == [
+        "lstrain.patch (GPT-2): 6 swapped, 2 left alone",
+        "  swapped     transformer.h.*.ln_1 (x2): torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
+        "  swapped     transformer.h.1.ln_2: torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
+        "  swapped     transformer.ln_f: torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
+        "  swapped     transformer.h.*.mlp.act (x2): NewGELUActivation -> torch.nn.GELU",
+        "  left alone  transformer.h.0.ln_2: has forward or backward hooks, which a new module would lose",
+        "  left alone  lm_head: cross_entropy=False",
+    ]
+
+
 def test_unsupported_model_names_the_supported_ones():
     model = _gpt2(transformers.GPT2ForSequenceClassification)
     with pytest.raises(TypeError, match="GPT2ForSequenceClassification.*supported: GPT2LMHeadModel, GPT2Model"):
