@@ -103,7 +103,7 @@ class PatchReport:
     def __str__(self) -> str:
         swapped = _fold((s.path, f"{_short(s.old_type)} -> {_short(s.new_type)}") for s in self.swapped)
         left_alone = _fold((item.path, item.reason) for item in self.left_alone)
-        lines = [f"lstrain.patch ({self.family}): {len(self.swapped)} swapped, {len(self.left_alone)} left alone"]
+        lines = [f"lstrain.patch ({self.family}): {len(self.swapped)} changes, {len(self.left_alone)} left alone"]
         lines += [f"  swapped     {path}{count}: {what}" for path, count, what in swapped]
         lines += [f"  left alone  {path}{count}: {why}" for path, count, why in left_alone]
         return "\n".join(lines)
@@ -112,7 +112,7 @@ class PatchReport:
 def _short(name: str) -> str:
     """A class's name as users write it: ``Qwen3RMSNorm`` for transformers' classes,
     ``torch.nn.LayerNorm`` and ``lstrain.nn.RMSNorm`` for the modules' own."""
-    if name.startswith("transformers."):
+    if re.fullmatch(r"transformers(\.\w+)+", name):
         return name.rsplit(".", 1)[1]
     return re.sub(r"^(torch\.nn|lstrain\.nn)\.(?:modules\.)?\w+\.(\w+)$", r"\1.\2", name)
 
@@ -124,7 +124,9 @@ def _fold(entries) -> list[tuple[str, str, str]]:
     for path, text in entries:
         groups.setdefault((re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path), text), []).append(path)
     return [
-        (folded if len(paths) > 1 else paths[0] or "(the model)", f" (x{len(paths)})" if len(paths) > 1 else "", text)
+        (folded or "(the model)", f" (x{len(paths)})", text)
+        if len(paths) > 1
+        else (paths[0] or "(the model)", "", text)
         for (folded, text), paths in groups.items()
     ]
 
@@ -198,7 +200,7 @@ def _swap_layer_norms(model: torch.nn.Module, enabled: bool, state: _PatchState)
         if not enabled:
             report.left_alone.append(LeftAlone(path, "layer_norm=False"))
         elif type(old) is not torch.nn.LayerNorm:
-            reason = f"{_type_name(old)} subclasses torch.nn.LayerNorm; its forward may differ"
+            reason = f"{_short(_type_name(old))} subclasses torch.nn.LayerNorm; its forward may differ"
             report.left_alone.append(LeftAlone(path, reason))
         elif _has_hooks(old):
             report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
@@ -220,7 +222,8 @@ def _swap_rms_norms(model: torch.nn.Module, family: Family, enabled: bool, state
         name = _type_name(old)
         if name not in family.rms_norms:
             if type(old).__name__.endswith("RMSNorm") and not isinstance(old, RMSNorm):
-                report.left_alone.append(LeftAlone(path, f"{name} is not one of {family.name}'s RMSNorm classes"))
+                reason = f"{_short(name)} is not one of {family.name}'s RMSNorm classes"
+                report.left_alone.append(LeftAlone(path, reason))
             continue
         weight = old._parameters.get("weight")
         if not enabled:
@@ -290,7 +293,7 @@ def _mlp_reason(module: torch.nn.Module) -> str | None:
     if missing:
         return f"has no {', '.join(missing)}"
     if _type_name(module.act_fn) not in _SILUS:
-        return f"its act_fn is {_type_name(module.act_fn)}, not SiLU"
+        return f"its act_fn is {_short(_type_name(module.act_fn))}, not SiLU"
     if list(inspect.signature(module.forward).parameters) != ["x"]:
         return "its forward takes other arguments than x"
     if any(_has_hooks(m) for m in (module, module.act_fn)):

@@ -212,7 +212,7 @@ def test_the_reports_summary_folds_layers_and_names_reasons():
     model.transformer.h[0].ln_2.register_forward_hook(lambda *args: None)
     lines = str(lstrain.patch(model, cross_entropy=False)).splitlines()
     assert lines == [
-        "lstrain.patch (GPT-2): 6 swapped, 2 left alone",
+        "lstrain.patch (GPT-2): 6 changes, 2 left alone",
         "  swapped     transformer.h.*.ln_1 (x2): torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
         "  swapped     transformer.h.1.ln_2: torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
         "  swapped     transformer.ln_f: torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
