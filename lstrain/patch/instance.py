@@ -155,6 +155,21 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     )
 
 
+_NEW_MODULE_LOSES = "which a new module would lose"
+_ROUTE_SKIPS = "which the routed forward would skip"
+
+
+def _hooked(module: torch.nn.Module, consequence: str) -> str | None:
+    """Why ``module`` must keep running its own forward (hooks, or a forward set on the
+    instance, as accelerate's offload and device-map hooks set one to bring the weights to
+    the device), followed by ``consequence``; None if nothing of the kind is there."""
+    if _has_hooks(module):
+        return f"has forward or backward hooks, {consequence}"
+    if "forward" in module.__dict__:
+        return f"has a forward of its own on the instance (accelerate's offload hooks set one), {consequence}"
+    return None
+
+
 def _replace(model: torch.nn.Module, path: str, old: torch.nn.Module, new: torch.nn.Module, state) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path)
@@ -202,8 +217,8 @@ def _swap_layer_norms(model: torch.nn.Module, enabled: bool, state: _PatchState)
         elif type(old) is not torch.nn.LayerNorm:
             reason = f"{_short(_type_name(old))} subclasses torch.nn.LayerNorm; its forward may differ"
             report.left_alone.append(LeftAlone(path, reason))
-        elif _has_hooks(old):
-            report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
+        elif (reason := _hooked(old, _NEW_MODULE_LOSES)) is not None:
+            report.left_alone.append(LeftAlone(path, reason))
         else:
             _replace(model, path, old, _shared_layer_norm(old), state)
 
@@ -228,8 +243,8 @@ def _swap_rms_norms(model: torch.nn.Module, family: Family, enabled: bool, state
         weight = old._parameters.get("weight")
         if not enabled:
             report.left_alone.append(LeftAlone(path, "rms_norm=False"))
-        elif _has_hooks(old):
-            report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
+        elif (reason := _hooked(old, _NEW_MODULE_LOSES)) is not None:
+            report.left_alone.append(LeftAlone(path, reason))
         elif weight is None or weight.dim() != 1 or not isinstance(getattr(old, "variance_epsilon", None), float):
             report.left_alone.append(LeftAlone(path, "has no 1-d weight and float variance_epsilon to carry over"))
         else:
@@ -243,8 +258,8 @@ def _swap_tanh_gelus(model: torch.nn.Module, family: Family, enabled: bool, stat
             continue
         if not enabled:
             report.left_alone.append(LeftAlone(path, "activation=False"))
-        elif _has_hooks(old):
-            report.left_alone.append(LeftAlone(path, "has forward or backward hooks, which a new module would lose"))
+        elif (reason := _hooked(old, _NEW_MODULE_LOSES)) is not None:
+            report.left_alone.append(LeftAlone(path, reason))
         else:
             _replace(model, path, old, torch.nn.GELU(approximate="tanh"), state)
 
@@ -296,8 +311,10 @@ def _mlp_reason(module: torch.nn.Module) -> str | None:
         return f"its act_fn is {_short(_type_name(module.act_fn))}, not SiLU"
     if list(inspect.signature(module.forward).parameters) != ["x"]:
         return "its forward takes other arguments than x"
-    if any(_has_hooks(m) for m in (module, module.act_fn)):
-        return "has forward or backward hooks on it or its act_fn, which the fused forward would skip"
+    if (reason := _hooked(module, _ROUTE_SKIPS)) is not None:
+        return reason
+    if (reason := _hooked(module.act_fn, _ROUTE_SKIPS)) is not None:
+        return f"its act_fn {reason}"
     return None
 
 
@@ -399,6 +416,8 @@ def _rope_reason(module: torch.nn.Module, sliding_window: str, head_norms: bool)
     missing = [name for name in needed if not hasattr(models_module, name)]
     if missing:
         return f"{models_module.__name__} has no {', '.join(missing)}"
+    if "forward" in module.__dict__:  # registered hooks run around any forward; this one would not run
+        return _hooked(module, _ROUTE_SKIPS)
     return None
 
 
@@ -617,6 +636,9 @@ def patch(
     ``logits=None`` where gradients are enabled; under ``torch.no_grad()`` (evaluation), or
     with ``return_logits=True`` passed to the forward, transformers' own logits and loss.
     Patching a patched model with the same options is a no-op that returns the first report.
+    A module with hooks, or with a forward set on the instance (accelerate's offload and
+    device-map hooks), keeps running its own forward: it is left alone, with the reason in the
+    report, where a swap or a routed forward would skip it.
 
     Args:
         model: the model instance.

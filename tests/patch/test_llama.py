@@ -252,14 +252,39 @@ def test_unpatch_restores_modules_and_outputs(family, monkeypatch):
 
 def test_unpatch_restores_a_forward_the_instance_had():
     model = _model("llama")
-    attention = model.model.layers[0].self_attn
-    own = attention.forward  # e.g. what accelerate's hooks set on an instance
-    attention.forward = own
+    layer = model.model.layers[0]
+    own = layer.forward  # e.g. what accelerate's hooks set on an instance
+    layer.forward = own
     model.forward = model.forward
     own_model_forward = model.__dict__["forward"]
     lstrain.patch(model)
+    assert layer.__dict__["_lstrain_wrapped_forward"] is own  # the layer's norm outputs are made again
     lstrain.unpatch(model)
-    assert attention.__dict__["forward"] is own and model.__dict__["forward"] is own_model_forward
+    assert layer.__dict__["forward"] is own and model.__dict__["forward"] is own_model_forward
+
+
+def test_modules_with_a_forward_of_their_own_keep_it():
+    # accelerate's offload hooks set each module's forward on the instance, which brings the
+    # weights (on the meta device until then) to the execution device: a swapped norm or a
+    # routed attention would lose that. The patched model runs and matches the reference.
+    accelerate = pytest.importorskip("accelerate")
+    reference = _model("llama")
+    model = copy.deepcopy(reference)
+    accelerate.cpu_offload(model, execution_device=torch.device(DEVICE))
+    layer = model.model.layers[0]
+    layer.self_attn.forward = layer.self_attn.forward  # the attention has no weights of its own to offload
+    report = lstrain.patch(model)
+    reasons = {item.path: item.reason for item in report.left_alone}
+    norms = [f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("input_layernorm", "post_attention_layernorm")]
+    for path in [*norms, "model.norm", "model.layers.0.self_attn"]:
+        assert "has a forward of its own" in reasons[path], path
+    assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.rope"] == ["model.layers.1.self_attn"]
+    input_ids, labels = _batch(False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=input_ids, labels=labels).loss, reference(input_ids=input_ids, labels=labels).loss,
+            **TOLERANCE,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(("build", "tied"), [("llama", False), ("gpt2", False), ("llama", True)])
