@@ -33,6 +33,7 @@ autocast, and under autocast the residual stream an RMSNorm reads is fp32 anyway
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -141,6 +142,24 @@ class _PatchState:
     forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)
     # the config switched from "sdpa" to SKIP_SDPA, or None
     sdpa_config: object | None = None
+
+    def __reduce_ex__(self, protocol):
+        # Pickle would store each patched forward as "the attribute forward of this module",
+        # which unpickles as the class's forward: a loaded model would run unpatched while
+        # saying it is patched. A patched model therefore refuses to be pickled.
+        raise TypeError(
+            "a model patched by lstrain.patch cannot be pickled (torch.save(model)): its patched forwards belong to "
+            "this instance; save model.state_dict() or model.save_pretrained(...) and patch the loaded model, or "
+            "lstrain.unpatch(model) first"
+        )
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy of a patched model gives a patched copy (its forwards find the copy's modules)
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
 
 
 def _type_name(module: object) -> str:

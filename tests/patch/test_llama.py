@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import sys
 
 import pytest
@@ -414,6 +415,17 @@ def test_deepcopy_of_a_patched_model_runs_its_own_modules():
         torch.testing.assert_close(model(input_ids=input_ids, labels=labels).loss, expected, rtol=0, atol=0)
     assert lstrain.unpatch(duplicate) and "_lstrain_patch" in model.__dict__
     assert all("forward" not in m.__dict__ for m in duplicate.modules())
+
+
+def test_a_patched_model_refuses_to_be_pickled():
+    # pickle stores a bound forward by its name, and the loaded model would get the class's:
+    # silently unpatched while its state said patched
+    model = _model("llama")
+    lstrain.patch(model)
+    with pytest.raises(TypeError, match=r"cannot be pickled \(torch.save\(model\)\).*save_pretrained"):
+        torch.save(model, io.BytesIO())
+    lstrain.unpatch(model)
+    torch.save(model, io.BytesIO())
 
 
 def test_an_mlp_without_silu_is_left_alone():
