@@ -148,9 +148,9 @@ class _PatchState:
         # which unpickles as the class's forward: a loaded model would run unpatched while
         # saying it is patched. A patched model therefore refuses to be pickled.
         raise TypeError(
-            "a model patched by lstrain.patch cannot be pickled (torch.save(model)): its patched forwards belong to "
-            "this instance; save model.state_dict() or model.save_pretrained(...) and patch the loaded model, or "
-            "lstrain.unpatch(model) first"
+            "a model patched by lstrain.patch cannot be pickled (torch.save(model), a spawned process's argument): "
+            "its patched forwards belong to this instance; save model.state_dict() or model.save_pretrained(...) "
+            "and patch the loaded model, or lstrain.unpatch(model) first"
         )
 
     def __deepcopy__(self, memo):
@@ -174,18 +174,14 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     )
 
 
-_NEW_MODULE_LOSES = "which a new module would lose"
-_ROUTE_SKIPS = "which the routed forward would skip"
-
-
-def _hooked(module: torch.nn.Module, consequence: str) -> str | None:
-    """Why ``module`` must keep running its own forward (hooks, or a forward set on the
-    instance, as accelerate's offload and device-map hooks set one to bring the weights to
-    the device), followed by ``consequence``; None if nothing of the kind is there."""
+def _swap_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module`` must not be replaced by a new module, or None if it may be: hooks, which
+    the new module would lose, or weights on the meta device, which something (accelerate's
+    offload hooks) brings to the device only when the module's own forward runs."""
     if _has_hooks(module):
-        return f"has forward or backward hooks, {consequence}"
-    if "forward" in module.__dict__:
-        return f"has a forward of its own on the instance (accelerate's offload hooks set one), {consequence}"
+        return "has forward or backward hooks, which a new module would lose"
+    if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+        return "its weights are on the meta device (offloaded), brought back only by its own forward"
     return None
 
 
@@ -236,7 +232,7 @@ def _swap_layer_norms(model: torch.nn.Module, enabled: bool, state: _PatchState)
         elif type(old) is not torch.nn.LayerNorm:
             reason = f"{_short(_type_name(old))} subclasses torch.nn.LayerNorm; its forward may differ"
             report.left_alone.append(LeftAlone(path, reason))
-        elif (reason := _hooked(old, _NEW_MODULE_LOSES)) is not None:
+        elif (reason := _swap_reason(old)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
             _replace(model, path, old, _shared_layer_norm(old), state)
@@ -262,7 +258,7 @@ def _swap_rms_norms(model: torch.nn.Module, family: Family, enabled: bool, state
         weight = old._parameters.get("weight")
         if not enabled:
             report.left_alone.append(LeftAlone(path, "rms_norm=False"))
-        elif (reason := _hooked(old, _NEW_MODULE_LOSES)) is not None:
+        elif (reason := _swap_reason(old)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         elif weight is None or weight.dim() != 1 or not isinstance(getattr(old, "variance_epsilon", None), float):
             report.left_alone.append(LeftAlone(path, "has no 1-d weight and float variance_epsilon to carry over"))
@@ -277,7 +273,7 @@ def _swap_tanh_gelus(model: torch.nn.Module, family: Family, enabled: bool, stat
             continue
         if not enabled:
             report.left_alone.append(LeftAlone(path, "activation=False"))
-        elif (reason := _hooked(old, _NEW_MODULE_LOSES)) is not None:
+        elif (reason := _swap_reason(old)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
             _replace(model, path, old, torch.nn.GELU(approximate="tanh"), state)
@@ -330,10 +326,8 @@ def _mlp_reason(module: torch.nn.Module) -> str | None:
         return f"its act_fn is {_short(_type_name(module.act_fn))}, not SiLU"
     if list(inspect.signature(module.forward).parameters) != ["x"]:
         return "its forward takes other arguments than x"
-    if (reason := _hooked(module, _ROUTE_SKIPS)) is not None:
-        return reason
-    if (reason := _hooked(module.act_fn, _ROUTE_SKIPS)) is not None:
-        return f"its act_fn {reason}"
+    if any(_has_hooks(m) for m in (module, module.act_fn)):
+        return "has forward or backward hooks on it or its act_fn, which the fused forward would skip"
     return None
 
 
@@ -435,8 +429,6 @@ def _rope_reason(module: torch.nn.Module, sliding_window: str, head_norms: bool)
     missing = [name for name in needed if not hasattr(models_module, name)]
     if missing:
         return f"{models_module.__name__} has no {', '.join(missing)}"
-    if "forward" in module.__dict__:  # registered hooks run around any forward; this one would not run
-        return _hooked(module, _ROUTE_SKIPS)
     return None
 
 
@@ -655,9 +647,9 @@ def patch(
     ``logits=None`` where gradients are enabled; under ``torch.no_grad()`` (evaluation), or
     with ``return_logits=True`` passed to the forward, transformers' own logits and loss.
     Patching a patched model with the same options is a no-op that returns the first report.
-    A module with hooks, or with a forward set on the instance (accelerate's offload and
-    device-map hooks), keeps running its own forward: it is left alone, with the reason in the
-    report, where a swap or a routed forward would skip it.
+    A module with hooks, or with its weights on the meta device (offloaded by accelerate,
+    whose hooks bring them back in its own forward), is not replaced: it is left alone, with
+    the reason in the report.
 
     Args:
         model: the model instance.
