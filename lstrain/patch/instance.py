@@ -132,6 +132,33 @@ def _fold(entries) -> list[tuple[str, str, str]]:
     ]
 
 
+# Pickle would store each patched forward as "the attribute forward of this module", which
+# unpickles as the class's forward: a loaded model would run unpatched while saying it is
+# patched. So the patch's state and every wrapped forward refuse to be pickled.
+_NOT_PICKLABLE = (
+    "a model patched by lstrain.patch cannot be pickled (torch.save(model), a spawned process's argument): its "
+    "patched forwards belong to this instance; save model.state_dict() or model.save_pretrained(...) and patch the "
+    "loaded model, or lstrain.unpatch(model) first"
+)
+
+
+class _Wrapped:
+    """The forward a patched module had, called by the forward that replaced it; like the
+    patch's state, it refuses pickling (a patched submodule saved alone) and deep-copies."""
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_PICKLABLE)
+
+    def __deepcopy__(self, memo):
+        return _Wrapped(copy.deepcopy(self.forward, memo))
+
+
 @dataclass
 class _PatchState:
     options: dict[str, bool]
@@ -144,14 +171,7 @@ class _PatchState:
     sdpa_config: object | None = None
 
     def __reduce_ex__(self, protocol):
-        # Pickle would store each patched forward as "the attribute forward of this module",
-        # which unpickles as the class's forward: a loaded model would run unpatched while
-        # saying it is patched. A patched model therefore refuses to be pickled.
-        raise TypeError(
-            "a model patched by lstrain.patch cannot be pickled (torch.save(model), a spawned process's argument): "
-            "its patched forwards belong to this instance; save model.state_dict() or model.save_pretrained(...) "
-            "and patch the loaded model, or lstrain.unpatch(model) first"
-        )
+        raise TypeError(_NOT_PICKLABLE)
 
     def __deepcopy__(self, memo):
         # copy.deepcopy of a patched model gives a patched copy (its forwards find the copy's modules)
@@ -202,7 +222,7 @@ def _set_forward(module: torch.nn.Module, function, state: _PatchState) -> None:
     """
     state.forwards.append((module, module.__dict__.get("forward")))
     original = module.forward
-    module.__dict__[_WRAPPED] = original
+    module.__dict__[_WRAPPED] = _Wrapped(original)
     signature = inspect.signature(original)
     functools.update_wrapper(function, original, updated=())
     del function.__wrapped__

@@ -259,7 +259,7 @@ def test_unpatch_restores_a_forward_the_instance_had():
     model.forward = model.forward
     own_model_forward = model.__dict__["forward"]
     lstrain.patch(model)
-    assert layer.__dict__["_lstrain_wrapped_forward"] is own  # the layer's norm outputs are made again
+    assert layer.__dict__["_lstrain_wrapped_forward"].forward is own  # the layer's norm outputs are made again
     lstrain.unpatch(model)
     assert layer.__dict__["forward"] is own and model.__dict__["forward"] is own_model_forward
 
@@ -422,8 +422,9 @@ def test_a_patched_model_refuses_to_be_pickled():
     # silently unpatched while its state said patched
     model = _model("llama")
     lstrain.patch(model)
-    with pytest.raises(TypeError, match=r"cannot be pickled \(torch.save\(model\).*save_pretrained"):
-        torch.save(model, io.BytesIO())
+    for patched in (model, model.model, model.model.layers[0]):  # a patched submodule saved alone too
+        with pytest.raises(TypeError, match=r"cannot be pickled \(torch.save\(model\).*save_pretrained"):
+            torch.save(patched, io.BytesIO())
     lstrain.unpatch(model)
     torch.save(model, io.BytesIO())
 
