@@ -165,8 +165,9 @@ class _PatchState:
     report: PatchReport
     # (parent module, child name, original module) of every swapped module.
     modules: list[tuple[torch.nn.Module, str, torch.nn.Module]]
-    # (module, the instance forward it had before, or None) of every module given a forward.
-    forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)
+    # (module, the instance forward it had before or None, the function it was given) of
+    # every module given a forward.
+    forwards: list[tuple[torch.nn.Module, object, object]] = field(default_factory=list)
     # the config switched from "sdpa" to SKIP_SDPA, or None
     sdpa_config: object | None = None
 
@@ -220,7 +221,7 @@ def _set_forward(module: torch.nn.Module, function, state: _PatchState) -> None:
     module's own ``__dict__``, never in a closure: ``copy.deepcopy`` of a patched model then
     gives a patched copy whose forwards run the copy's modules, not the original's.
     """
-    state.forwards.append((module, module.__dict__.get("forward")))
+    state.forwards.append((module, module.__dict__.get("forward"), function))
     original = module.forward
     module.__dict__[_WRAPPED] = _Wrapped(original)
     signature = inspect.signature(original)
@@ -486,12 +487,15 @@ def _route_attention_masks(model: torch.nn.Module, enabled: bool, state: _PatchS
 def _registering_norm_forward():
     """A forward for one swapped RMSNorm (a new function each, as ``_set_forward`` needs): its
     own, with the output offered to the caller's :class:`RecomputedNorms`, made again from
-    the same input (which the norm's backward keeps anyway) if it is saved there."""
+    the same input and weight (which the norm's backward keeps anyway) if it is saved there."""
 
-    def forward(norm: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
-        own = norm.__dict__[_WRAPPED]
-        again = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        return register_norm_output(own(*args, **kwargs), lambda: own(*again, **kwargs))
+    def forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        # the weight this forward used: an offload hook put it here and takes it away after
+        weight, again = norm.weight, x.detach()
+        output = norm.__dict__[_WRAPPED](x)
+        return register_norm_output(
+            output, lambda: lstrain.ops.rms_norm(again, norm.normalized_shape, weight, norm.eps)
+        )
 
     return forward
 
@@ -756,6 +760,25 @@ def patch(
     return state.report
 
 
+def _changed_since_patch(model: torch.nn.Module, state: _PatchState) -> tuple[str, str] | None:
+    """The path of a module that unpatching would strip of something given to it after the
+    patch, and what: hooks, offloaded weights or a forward on a swapped-in module (the
+    original module comes back without them), or a forward set over one the patch set."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    ours = {id(module): function for module, _, function in state.forwards}
+    # modules since taken out of the model lose nothing the model runs
+    swapped_in = [m for parent, name, _ in state.modules if id(m := getattr(parent, name)) in paths]
+    for new in swapped_in:
+        if _has_hooks(new):
+            return paths[id(new)], "gained forward or backward hooks"
+        if any(t.is_meta for t in new.parameters(recurse=False)):
+            return paths[id(new)], "was offloaded (its weights are on the meta device)"
+    for module in [*swapped_in, *(module for module, _, _ in state.forwards if id(module) in paths)]:
+        if getattr(module.__dict__.get("forward"), "__func__", None) is not ours.get(id(module)):
+            return paths[id(module)], "was given a forward of its own"
+    return None
+
+
 def unpatch(model: torch.nn.Module) -> bool:
     """Undo ``patch``: the original modules and forwards come back.
 
@@ -767,17 +790,30 @@ def unpatch(model: torch.nn.Module) -> bool:
 
     Returns:
         True if the model was patched, False if there was nothing to undo.
+
+    Raises:
+        RuntimeError: if a module of the patch was since given hooks, a forward of its own or
+            offloaded weights (accelerate's ``cpu_offload``, ``dispatch_model``): restoring the
+            original would drop them. The model is left patched.
     """
-    state = model.__dict__.pop(_STATE, None)
+    state = model.__dict__.get(_STATE)
     if state is None:
         return False
+    if (changed := _changed_since_patch(model, state)) is not None:
+        path, what = changed
+        raise RuntimeError(
+            f"lstrain.unpatch: {path or type(model).__name__} {what} after it was patched (accelerate's cpu_offload "
+            "or dispatch_model does so), which restoring the original would drop; unpatch before placing or "
+            "offloading the model, or load it again"
+        )
+    del model.__dict__[_STATE]
     for parent, name, old in reversed(state.modules):
         # the patched module's parameters, which a load_state_dict(assign=True) may have replaced
         for key, value in getattr(parent, name)._parameters.items():
             if key in old._parameters:
                 old._parameters[key] = value
         setattr(parent, name, old)
-    for module, previous in reversed(state.forwards):
+    for module, previous, _ in reversed(state.forwards):
         del module.__dict__[_WRAPPED]
         if previous is None:
             del module.forward

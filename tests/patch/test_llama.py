@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import re
 import sys
 
 import pytest
@@ -286,6 +287,51 @@ def test_offloaded_modules_are_not_replaced():
             model(input_ids=input_ids, labels=labels).loss, reference(input_ids=input_ids, labels=labels).loss,
             **TOLERANCE,
         )  # fmt: skip
+
+
+def test_a_model_offloaded_after_patching_runs_and_refuses_unpatch():
+    """Patched, then offloaded: each swapped norm runs inside its offload hook, which takes
+    the weight away again after forward; the norm outputs made again in backward use the
+    weight the forward used. Offloaded weights get no gradients (accelerate trains none), so
+    the input's gradient is compared. Unpatching would drop the hooks: it raises instead and
+    leaves the model patched and running."""
+    accelerate = pytest.importorskip("accelerate")
+    reference = _model("llama")
+    model = copy.deepcopy(reference)
+    report = lstrain.patch(model)
+    assert any(s.new_type == "made again in backward" for s in report.swapped)
+    accelerate.cpu_offload(model, execution_device=torch.device(DEVICE))
+    input_ids, labels = _batch(False)
+    losses, grads = [], []
+    for each in (reference, model, model):
+        embeds = reference.model.embed_tokens(input_ids).detach().requires_grad_()
+        loss = each(inputs_embeds=embeds, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(embeds.grad)
+        if len(losses) == 2:
+            with pytest.raises(RuntimeError, match=r"unpatch: model\.layers\.0\.input_layernorm was offloaded"):
+                lstrain.unpatch(model)
+    for loss, grad in zip(losses[1:], grads[1:], strict=True):
+        torch.testing.assert_close(loss, losses[0], **TOLERANCE)
+        torch.testing.assert_close(grad, grads[0], **TOLERANCE)
+
+
+@pytest.mark.parametrize("change", ["hook", "forward", "layer forward"])
+def test_unpatch_refuses_to_drop_what_was_added_after_patching(change):
+    model = _model("llama")
+    lstrain.patch(model)
+    layer = model.model.layers[1]
+    if change == "hook":
+        layer.input_layernorm.register_forward_hook(lambda module, args, output: None)
+    elif change == "forward":
+        model.model.norm.forward = model.model.norm.forward
+    else:  # wraps the patch's forward of the layer
+        layer.forward = lambda *args, own=layer.forward, **kwargs: own(*args, **kwargs)
+    path = {"hook": "model.layers.1.input_layernorm", "forward": "model.norm", "layer forward": "model.layers.1"}
+    with pytest.raises(RuntimeError, match=rf"unpatch: {re.escape(path[change])} (gained|was given)"):
+        lstrain.unpatch(model)
+    assert isinstance(model.model.norm, RMSNorm)  # still patched
 
 
 @pytest.mark.parametrize(("build", "tied"), [("llama", False), ("gpt2", False), ("llama", True)])
