@@ -196,11 +196,14 @@ def _has_hooks(module: torch.nn.Module) -> bool:
 
 
 def _swap_reason(module: torch.nn.Module) -> str | None:
-    """Why ``module`` must not be replaced by a new module, or None if it may be: hooks, which
-    the new module would lose, or weights on the meta device, which something (accelerate's
-    offload hooks) brings to the device only when the module's own forward runs."""
+    """Why ``module`` must not be replaced by a new module, or None if it may be: hooks or its
+    own ``module.compile()``, which the new module would lose, or weights on the meta device,
+    which something (accelerate's offload hooks) brings to the device only when the module's
+    own forward runs."""
     if _has_hooks(module):
         return "has forward or backward hooks, which a new module would lose"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "was compiled with module.compile(), which a new module would lose"
     if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
         return "its weights are on the meta device (offloaded), brought back only by its own forward"
     return None

@@ -222,6 +222,26 @@ def test_the_reports_summary_folds_layers_and_names_reasons():
     ]
 
 
+def test_a_module_compiled_on_its_own_is_left_alone():
+    # module.compile() lives on the instance; a new module in its place would run uncompiled
+    reference = _gpt2()
+    model = copy.deepcopy(reference)
+    ln_1 = model.transformer.h[1].ln_1
+    ln_1.compile(backend="eager")
+    report = lstrain.patch(model)
+    assert model.transformer.h[1].ln_1 is ln_1
+    assert {item.path: item.reason for item in report.left_alone} == {
+        "transformer.h.1.ln_1": "was compiled with module.compile(), which a new module would lose"
+    }
+    input_ids, labels = _batch(False)
+    got, grads = _loss_and_grads(model, input_ids, labels)
+    expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
+    torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
+    assert grads.keys() == expected_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def test_unsupported_model_names_the_supported_ones():
     model = _gpt2(transformers.GPT2ForSequenceClassification)
     with pytest.raises(TypeError, match="GPT2ForSequenceClassification.*supported: GPT2LMHeadModel, GPT2Model"):
