@@ -8,7 +8,7 @@ Mistral (MistralForCausalLM, MistralModel), Qwen2 (Qwen2ForCausalLM, Qwen2Model)
 (Qwen3ForCausalLM, Qwen3Model).
 
 Supported transformers versions: 5.x. Tested with transformers 5.25 (the CPU, Triton's
-interpreter) and 5.17 (an H200, an H100; Qwen3 not yet there). ``patch`` checks the installed
+interpreter) and 5.17 (an H200, an H100). ``patch`` checks the installed
 version and refuses another major version with a RuntimeError
 (:func:`check_transformers_version`): 4.x models route
 labels, caches and attention differently, and a 6.x may again.
