@@ -163,8 +163,8 @@ class _Wrapped:
 class _PatchState:
     options: dict[str, bool]
     report: PatchReport
-    # (parent module, child name, original module) of every swapped module.
-    modules: list[tuple[torch.nn.Module, str, torch.nn.Module]]
+    # (parent module, child name, original module, the module put in its place) of every swap.
+    modules: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]
     # (module, the instance forward it had before or None, the function it was given) of
     # every module given a forward.
     forwards: list[tuple[torch.nn.Module, object, object]] = field(default_factory=list)
@@ -195,25 +195,51 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     )
 
 
-def _swap_reason(module: torch.nn.Module) -> str | None:
-    """Why ``module`` must not be replaced by a new module, or None if it may be: hooks or its
-    own ``module.compile()``, which the new module would lose, or weights on the meta device,
-    which something (accelerate's offload hooks) brings to the device only when the module's
-    own forward runs."""
-    if _has_hooks(module):
-        return "has forward or backward hooks, which a new module would lose"
+_STATE_DICT_HOOKS = (
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _held_by_instance(module: torch.nn.Module) -> str | None:
+    """What ``module`` holds on the instance that another module in its place would not
+    have, or None: hooks, its own ``module.compile()``, parametrizations, or weights on the
+    meta device, which something (accelerate's offload hooks) brings to the device only when
+    the module's own forward runs."""
+    if _has_hooks(module) or any(getattr(module, name, None) for name in _STATE_DICT_HOOKS):
+        return "has hooks"
     if getattr(module, "_compiled_call_impl", None) is not None:
-        return "was compiled with module.compile(), which a new module would lose"
+        return "was compiled with module.compile()"
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return "has parametrized weights"
     if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
-        return "its weights are on the meta device (offloaded), brought back only by its own forward"
+        return "is offloaded (its weights are on the meta device)"
     return None
+
+
+def _swap_reason(model: torch.nn.Module, path: str, module: torch.nn.Module) -> str | None:
+    """Why the module at ``path`` must not be replaced by a new module, or None if it may be."""
+    if isinstance(model.get_submodule(path.rpartition(".")[0]), _compiled_module_type()):
+        return "is wrapped by torch.compile(module), which would go on running it"
+    if (held := _held_by_instance(module)) is not None:
+        return f"{held}, which a new module would lose"
+    return None
+
+
+def _compiled_module_type() -> type:
+    """The wrapper ``torch.compile(module)`` returns (imported late: it loads torch._dynamo)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
 
 
 def _replace(model: torch.nn.Module, path: str, old: torch.nn.Module, new: torch.nn.Module, state) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path)
     setattr(parent, name, new)
-    state.modules.append((parent, name, old))
+    state.modules.append((parent, name, old, new))
     state.report.swapped.append(Swapped(path, _type_name(old), _type_name(new)))
 
 
@@ -256,7 +282,7 @@ def _swap_layer_norms(model: torch.nn.Module, enabled: bool, state: _PatchState)
         elif type(old) is not torch.nn.LayerNorm:
             reason = f"{_short(_type_name(old))} subclasses torch.nn.LayerNorm; its forward may differ"
             report.left_alone.append(LeftAlone(path, reason))
-        elif (reason := _swap_reason(old)) is not None:
+        elif (reason := _swap_reason(model, path, old)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
             _replace(model, path, old, _shared_layer_norm(old), state)
@@ -282,7 +308,7 @@ def _swap_rms_norms(model: torch.nn.Module, family: Family, enabled: bool, state
         weight = old._parameters.get("weight")
         if not enabled:
             report.left_alone.append(LeftAlone(path, "rms_norm=False"))
-        elif (reason := _swap_reason(old)) is not None:
+        elif (reason := _swap_reason(model, path, old)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         elif weight is None or weight.dim() != 1 or not isinstance(getattr(old, "variance_epsilon", None), float):
             report.left_alone.append(LeftAlone(path, "has no 1-d weight and float variance_epsilon to carry over"))
@@ -297,7 +323,7 @@ def _swap_tanh_gelus(model: torch.nn.Module, family: Family, enabled: bool, stat
             continue
         if not enabled:
             report.left_alone.append(LeftAlone(path, "activation=False"))
-        elif (reason := _swap_reason(old)) is not None:
+        elif (reason := _swap_reason(model, path, old)) is not None:
             report.left_alone.append(LeftAlone(path, reason))
         else:
             _replace(model, path, old, torch.nn.GELU(approximate="tanh"), state)
@@ -517,7 +543,7 @@ def _recomputing_forward():
 
 def _recompute_norm_outputs(model: torch.nn.Module, family: Family, enabled: bool, state: _PatchState) -> None:
     report = state.report
-    swapped = {id(getattr(parent, name)) for parent, name, _ in state.modules}
+    swapped = {id(new) for _, _, _, new in state.modules}
     # the final norm's output leaves the base model for the LM head: only the layers' norms
     outer = {id(model), id(getattr(model, "base_model", model))}
     ours = set()
@@ -764,21 +790,30 @@ def patch(
 
 
 def _changed_since_patch(model: torch.nn.Module, state: _PatchState) -> tuple[str, str] | None:
-    """The path of a module that unpatching would strip of something given to it after the
-    patch, and what: hooks, offloaded weights or a forward on a swapped-in module (the
-    original module comes back without them), or a forward set over one the patch set."""
+    """The path of a module that unpatching would strip of something it was given after the
+    patch, and what: a swapped-in module replaced, or given hooks, a compile, a
+    parametrization, offloaded weights or a forward (the original comes back without them),
+    or a module the patch gave a forward given another one (unpatch puts back the original's)."""
     paths = {id(module): path for path, module in model.named_modules()}
     ours = {id(module): function for module, _, function in state.forwards}
-    # modules since taken out of the model lose nothing the model runs
-    swapped_in = [m for parent, name, _ in state.modules if id(m := getattr(parent, name)) in paths]
-    for new in swapped_in:
-        if _has_hooks(new):
-            return paths[id(new)], "gained forward or backward hooks"
-        if any(t.is_meta for t in new.parameters(recurse=False)):
-            return paths[id(new)], "was offloaded (its weights are on the meta device)"
-    for module in [*swapped_in, *(module for module, _, _ in state.forwards if id(module) in paths)]:
-        if getattr(module.__dict__.get("forward"), "__func__", None) is not ours.get(id(module)):
-            return paths[id(module)], "was given a forward of its own"
+
+    def forward_changed(module: torch.nn.Module) -> bool:
+        forward, function = module.__dict__.get("forward"), ours.get(id(module))
+        return forward is not None if function is None else getattr(forward, "__func__", None) is not function
+
+    for parent, name, _, new in state.modules:
+        if id(parent) not in paths:  # taken out of the model
+            continue
+        path = ".".join(filter(None, (paths[id(parent)], name)))
+        if getattr(parent, name, None) is not new:
+            return path, "was replaced"
+        if (held := _held_by_instance(new)) is not None:
+            return path, held
+        if forward_changed(new):
+            return path, "has a forward of its own"
+    for module, _, _ in state.forwards:
+        if id(module) in paths and forward_changed(module):
+            return paths[id(module)] or type(model).__name__, "has a forward of its own"
     return None
 
 
@@ -795,22 +830,26 @@ def unpatch(model: torch.nn.Module) -> bool:
         True if the model was patched, False if there was nothing to undo.
 
     Raises:
-        RuntimeError: if a module of the patch was since given hooks, a forward of its own or
-            offloaded weights (accelerate's ``cpu_offload``, ``dispatch_model``): restoring the
-            original would drop them. The model is left patched.
+        RuntimeError: if a module the patch put in was since replaced, or given hooks, a
+            ``module.compile()``, a parametrization, offloaded weights or a forward of its own
+            (accelerate's ``cpu_offload``, ``dispatch_model``), or a module the patch gave a
+            forward another one: restoring the original would undo that. The model is left
+            patched.
     """
+    if isinstance(model, _compiled_module_type()):  # torch.compile(model) of a patched model
+        model = model._orig_mod
     state = model.__dict__.get(_STATE)
     if state is None:
         return False
     if (changed := _changed_since_patch(model, state)) is not None:
         path, what = changed
         raise RuntimeError(
-            f"lstrain.unpatch: {path or type(model).__name__} {what} after it was patched (accelerate's cpu_offload "
-            "or dispatch_model does so), which restoring the original would drop; unpatch before placing or "
-            "offloading the model, or load it again"
+            f"lstrain.unpatch: {path} {what} since it was patched, which restoring the original would undo "
+            "(accelerate's cpu_offload and dispatch_model add hooks and forwards); unpatch before placing, "
+            "offloading, hooking or compiling parts of the model, or load it again"
         )
     del model.__dict__[_STATE]
-    for parent, name, old in reversed(state.modules):
+    for parent, name, old, _ in reversed(state.modules):
         # the patched module's parameters, which a load_state_dict(assign=True) may have replaced
         for key, value in getattr(parent, name)._parameters.items():
             if key in old._parameters:
@@ -822,6 +861,6 @@ def unpatch(model: torch.nn.Module) -> bool:
             del module.forward
         else:
             module.forward = previous
-    if state.sdpa_config is not None:
+    if state.sdpa_config is not None and state.sdpa_config._attn_implementation == SKIP_SDPA:
         state.sdpa_config._attn_implementation = "sdpa"
     return True

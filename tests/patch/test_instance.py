@@ -217,24 +217,34 @@ def test_the_reports_summary_folds_layers_and_names_reasons():
         "  swapped     transformer.h.1.ln_2: torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
         "  swapped     transformer.ln_f: torch.nn.LayerNorm -> lstrain.nn.LayerNorm",
         "  swapped     transformer.h.*.mlp.act (x2): NewGELUActivation -> torch.nn.GELU",
-        "  left alone  transformer.h.0.ln_2: has forward or backward hooks, which a new module would lose",
+        "  left alone  transformer.h.0.ln_2: has hooks, which a new module would lose",
         "  left alone  lm_head: cross_entropy=False",
     ]
 
 
-def test_a_module_compiled_on_its_own_is_left_alone():
-    # module.compile() lives on the instance; a new module in its place would run uncompiled
+@pytest.mark.parametrize("how", ["module.compile()", "torch.compile(module)"])
+def test_a_module_compiled_on_its_own_is_left_alone(how):
+    # module.compile() lives on the instance, and torch.compile(module)'s wrapper runs the module
+    # it was given: a new module in its place would run uncompiled, or not at all
     reference = _gpt2()
     model = copy.deepcopy(reference)
     ln_1 = model.transformer.h[1].ln_1
-    ln_1.compile(backend="eager")
+    if how == "module.compile()":
+        ln_1.compile(backend="eager")
+        path, reason = "transformer.h.1.ln_1", "was compiled with module.compile(), which a new module would lose"
+    else:
+        model.transformer.h[1].ln_1 = torch.compile(ln_1, backend="eager")
+        path, reason = (
+            "transformer.h.1.ln_1._orig_mod",
+            "is wrapped by torch.compile(module), which would go on running it",
+        )
     report = lstrain.patch(model)
-    assert model.transformer.h[1].ln_1 is ln_1
-    assert {item.path: item.reason for item in report.left_alone} == {
-        "transformer.h.1.ln_1": "was compiled with module.compile(), which a new module would lose"
-    }
+    assert model.get_submodule(path) is ln_1
+    assert {item.path: item.reason for item in report.left_alone} == {path: reason}
+    assert path not in [s.path for s in report.swapped]
     input_ids, labels = _batch(False)
     got, grads = _loss_and_grads(model, input_ids, labels)
+    grads = {key.replace("._orig_mod", ""): grad for key, grad in grads.items()}
     expected, expected_grads = _loss_and_grads(reference, input_ids, labels)
     torch.testing.assert_close(got.loss, expected.loss, **TOLERANCE)
     assert grads.keys() == expected_grads.keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import io
 import re
@@ -278,7 +279,7 @@ def test_offloaded_modules_are_not_replaced():
     reasons = {item.path: item.reason for item in report.left_alone}
     norms = [f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("input_layernorm", "post_attention_layernorm")]
     for path in [*norms, "model.norm"]:
-        assert "meta device (offloaded)" in reasons[path], path
+        assert reasons[path].startswith("is offloaded (its weights are on the meta device)"), path
     attentions = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
     assert [s.path for s in report.swapped if s.new_type == "lstrain.ops.rope"] == attentions
     input_ids, labels = _batch(False)
@@ -310,28 +311,64 @@ def test_a_model_offloaded_after_patching_runs_and_refuses_unpatch():
         losses.append(loss.detach())
         grads.append(embeds.grad)
         if len(losses) == 2:
-            with pytest.raises(RuntimeError, match=r"unpatch: model\.layers\.0\.input_layernorm was offloaded"):
+            with pytest.raises(RuntimeError, match=r"unpatch: model\.layers\.0\.input_layernorm is offloaded"):
                 lstrain.unpatch(model)
     for loss, grad in zip(losses[1:], grads[1:], strict=True):
         torch.testing.assert_close(loss, losses[0], **TOLERANCE)
         torch.testing.assert_close(grad, grads[0], **TOLERANCE)
 
 
-@pytest.mark.parametrize("change", ["hook", "forward", "layer forward"])
-def test_unpatch_refuses_to_drop_what_was_added_after_patching(change):
+def _change_after_patching(model, change: str) -> str:
+    """Give the patched ``model`` something unpatch would undo; returns the path it names."""
+    layer = model.model.layers[1]
+    norm = layer.input_layernorm  # swapped in, with the patch's forward (its output is made again)
+    final = model.model.norm  # swapped in, no forward of the patch's
+    if change == "hook":
+        norm.register_forward_hook(lambda module, args, output: None)
+    elif change == "state_dict hook":
+        final.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+    elif change == "bound forward":
+        final.forward = final.forward
+    elif change == "partial forward":  # as accelerate's add_hook_to_module sets
+        final.forward = functools.partial(type(final).forward, final)
+    elif change == "compile":
+        final.compile(backend="eager")
+    elif change == "parametrization":
+        torch.nn.utils.parametrize.register_parametrization(final, "weight", torch.nn.Identity())
+    elif change == "replaced":
+        layer.input_layernorm = torch.nn.Identity()
+    else:  # "layer forward": wraps the patch's forward of the layer
+        layer.forward = lambda *args, own=layer.forward, **kwargs: own(*args, **kwargs)
+    return {"hook": "model.layers.1.input_layernorm", "replaced": "model.layers.1.input_layernorm"}.get(
+        change, "model.layers.1" if change == "layer forward" else "model.norm"
+    )
+
+
+CHANGES = [
+    "hook", "state_dict hook", "bound forward", "partial forward", "compile", "parametrization", "replaced",
+    "layer forward",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_unpatch_refuses_to_undo_what_was_added_after_patching(change):
     model = _model("llama")
     lstrain.patch(model)
-    layer = model.model.layers[1]
-    if change == "hook":
-        layer.input_layernorm.register_forward_hook(lambda module, args, output: None)
-    elif change == "forward":
-        model.model.norm.forward = model.model.norm.forward
-    else:  # wraps the patch's forward of the layer
-        layer.forward = lambda *args, own=layer.forward, **kwargs: own(*args, **kwargs)
-    path = {"hook": "model.layers.1.input_layernorm", "forward": "model.norm", "layer forward": "model.layers.1"}
-    with pytest.raises(RuntimeError, match=rf"unpatch: {re.escape(path[change])} (gained|was given)"):
+    path = _change_after_patching(model, change)
+    with pytest.raises(RuntimeError, match=rf"unpatch: {re.escape(path)} (has|was|is) .* since it was patched"):
         lstrain.unpatch(model)
-    assert isinstance(model.model.norm, RMSNorm)  # still patched
+    assert "_lstrain_patch" in model.__dict__ and isinstance(model.model.layers[0].input_layernorm, RMSNorm)
+
+
+def test_unpatch_of_a_compiled_model_unpatches_it_and_keeps_the_attention_set_since():
+    model = _model("llama")
+    lstrain.patch(model)
+    compiled = torch.compile(model, backend="eager")
+    model.config._attn_implementation = "eager"  # chosen after patching: unpatch keeps it
+    assert lstrain.unpatch(compiled)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    assert model.config._attn_implementation == "eager"
+    assert not lstrain.unpatch(model)
 
 
 @pytest.mark.parametrize(("build", "tied"), [("llama", False), ("gpt2", False), ("llama", True)])
