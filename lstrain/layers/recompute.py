@@ -5,7 +5,9 @@ gradient: one [tokens, D] tensor per norm, kept from forward to backward (0.78 G
 LLaMA-0.75B's 4 x 2048 step). The norm's own backward already keeps its input and the
 kernel that made the output is cheap (one read, one write), so inside
 :class:`RecomputedNorms` a saved tensor that is a registered norm output is packed as its
-recipe and made again, with the same bits, when backward unpacks it.
+recipe and made again, with the same bits, when backward unpacks it. So is a dtype cast of
+one (fp32 weights under ``torch.autocast``: the projections save autocast's bf16 copy of
+the fp32 output), made again as the output cast again.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class RecomputedNorms:
 
     A registered output is matched by its memory while it is alive and unchanged (held
     weakly: once it is freed, a tensor that takes its memory is not mistaken for it; once
-    changed in place, it is saved as it is). ``make`` must return
+    changed in place, it is saved as it is); a contiguous dtype cast of it (``.to(dtype)``,
+    as autocast casts a matmul's input) by its autograd node, whose input is the output. ``make`` must return
     a new contiguous tensor equal to the output (as the norm's forward kernel run again on
     the norm's saved input does), and hold only tensors that backward keeps anyway.
 
@@ -65,6 +68,8 @@ class RecomputedNorms:
         self.enabled = enabled
         # storage address -> (the output, weakly; its version when registered; make)
         self._makers: dict[int, tuple[weakref.ref, int, Callable[[], torch.Tensor]]] = {}
+        # id of the output's autograd node -> its storage address (casts are found by it)
+        self._nodes: dict[int, int] = {}
         self._hooks = None
 
     def register(self, output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -73,7 +78,10 @@ class RecomputedNorms:
         An output changed in place afterwards (its version moved) is saved as it is, and so
         is anything but a plain strided, non-empty tensor."""
         if self._hooks is not None and _plain(output):
-            self._makers[output.untyped_storage().data_ptr()] = (weakref.ref(output), output._version, make)
+            address = output.untyped_storage().data_ptr()
+            self._makers[address] = (weakref.ref(output), output._version, make)
+            if output.grad_fn is not None:
+                self._nodes[id(output.grad_fn)] = address
         return output
 
     @staticmethod
@@ -90,6 +98,25 @@ class RecomputedNorms:
             same = output.dtype == saved.dtype and output.device == saved.device
             if same and output._version == entry[1] == saved._version:
                 return _Recipe(entry[2], saved)
+            return saved
+        return RecomputedNorms._pack_cast(saved)
+
+    @staticmethod
+    def _pack_cast(saved: torch.Tensor):
+        """``saved`` as a recipe if it is a whole, unchanged dtype cast of a registered output."""
+        node = saved.grad_fn
+        if type(node).__name__ != "ToCopyBackward0" or saved._version or saved.storage_offset():
+            return saved
+        source, output_nr = node.next_functions[0]
+        for context in reversed(_active.stack):
+            address = context._nodes.get(id(source))
+            entry = None if address is None else context._makers.get(address)
+            output = None if entry is None else entry[0]()
+            if output is None or output.grad_fn is not source or output.output_nr != output_nr:
+                continue
+            whole = output.shape == saved.shape and output.device == saved.device and saved.is_contiguous()
+            if whole and output._version == entry[1]:
+                return _Recipe(lambda make=entry[2], dtype=saved.dtype: make().to(dtype), saved)
             return saved
         return saved
 
@@ -110,6 +137,7 @@ class RecomputedNorms:
             self._hooks.__exit__(*exc)
             self._hooks = None
         self._makers.clear()
+        self._nodes.clear()
 
 
 def _plain(t: torch.Tensor) -> bool:

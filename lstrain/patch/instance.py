@@ -734,9 +734,9 @@ def patch(
             projections after them save for their weight gradients, are made again in
             backward from the norms' inputs (kept anyway) instead of kept: two [tokens,
             hidden] tensors a decoder layer fewer (``lstrain.layers.RecomputedNorms``; off
-            inside activation checkpointing and under torch.compile). Not with fp32 weights
-            under ``torch.autocast``: there the projections save their own low-precision
-            cast of the output, which stays saved.
+            inside activation checkpointing and under torch.compile). With fp32 weights
+            under ``torch.autocast``, the projections' low-precision casts of the outputs
+            are what is made again.
 
     Returns:
         The report: what was swapped (path, old type, new type), what was left alone and why.

@@ -55,6 +55,39 @@ def test_a_registered_output_is_saved_as_a_recipe_and_made_again_in_backward():
         assert torch.equal(kept, made)
 
 
+@pytest.mark.parametrize("cast", ["autocast", "to", "cast changed in place", "cast of another tensor"])
+def test_a_dtype_cast_of_a_registered_output_is_made_again_as_the_cast(cast):
+    """fp32 weights under autocast: the projection saves autocast's bf16 copy of the fp32 norm
+    output, which is made again as the output cast again (the same bits); a cast changed in
+    place, or the cast of a tensor that is not registered, is saved as it is."""
+    device_type = torch.device(DEVICE).type
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    proj = torch.randn(16, 8, device=DEVICE, requires_grad=True)
+    made = []
+
+    def make():
+        made.append(1)
+        return rms_norm(h.detach(), (16,), w.detach())
+
+    def loss(recompute):
+        with RecomputedNorms(enabled=recompute) as norms:
+            normed = norms.register(rms_norm(h, (16,), w), make)
+            if cast == "autocast":
+                with torch.autocast(device_type, dtype=torch.bfloat16):
+                    return (normed @ proj).float().square().sum()
+            low = (normed * 1 if cast == "cast of another tensor" else normed).to(torch.bfloat16)
+            if cast == "cast changed in place":
+                low.mul_(3)
+            return (low @ proj.to(torch.bfloat16)).float().square().sum()
+
+    kept = torch.autograd.grad(loss(False), (h, w, proj))
+    remade = torch.autograd.grad(loss(True), (h, w, proj))
+    assert len(made) == (1 if cast in ("autocast", "to") else 0)
+    for a, b in zip(kept, remade, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_nothing_is_repacked_without_grad_or_when_disabled():
     x = torch.randn(4, 8, device=DEVICE)
     with torch.no_grad(), RecomputedNorms() as norms:

@@ -577,12 +577,15 @@ def test_a_projection_with_a_forward_of_its_own_runs_it():
     assert [op for op, _ in ran].count("shared_input_linear") == 2 * LAYERS - 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
+@pytest.mark.parametrize(
+    ("family", "autocast"), [("llama", False), ("qwen2", False), ("qwen3", False), ("llama", True)]
+)
+def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family, autocast):
     """The layers' norm outputs are saved as recipes (two a layer: the attention's and the
     MLP's projections read them), made again in backward; the loss and every gradient are
     the bits of the patch that keeps them. The final norm is not a candidate, nor are
-    Qwen3's q / k head norms (the rotation saves none of their outputs)."""
+    Qwen3's q / k head norms (the rotation saves none of their outputs). fp32 weights under
+    autocast: the projections' bf16 casts of the outputs are the recipes."""
     from lstrain.layers import recompute
 
     made = []
@@ -598,7 +601,7 @@ def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family):
         f"model.layers.{i}.{n}" for i in range(LAYERS) for n in ("input_layernorm", "post_attention_layernorm")
     ]
     input_ids, labels = _batch(False)
-    with deterministic():
+    with deterministic(), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
         expected, expected_grads = _loss_and_grads(kept, input_ids, labels)
         assert not made
         got, grads = _loss_and_grads(recomputed, input_ids, labels)
