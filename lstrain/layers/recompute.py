@@ -68,8 +68,9 @@ class RecomputedNorms:
         self.enabled = enabled
         # storage address -> (the output, weakly; its version when registered; make)
         self._makers: dict[int, tuple[weakref.ref, int, Callable[[], torch.Tensor]]] = {}
-        # id of the output's autograd node -> its storage address (casts are found by it)
-        self._nodes: dict[int, int] = {}
+        # id of the output's autograd node -> (the node, the output's storage address): casts
+        # are found by it. Held, so that the node's Python object, and with it the id, lasts.
+        self._nodes: dict[int, tuple[object, int]] = {}
         self._hooks = None
 
     def register(self, output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -80,8 +81,8 @@ class RecomputedNorms:
         if self._hooks is not None and _plain(output):
             address = output.untyped_storage().data_ptr()
             self._makers[address] = (weakref.ref(output), output._version, make)
-            if output.grad_fn is not None:
-                self._nodes[id(output.grad_fn)] = address
+            if (node := output.grad_fn) is not None:
+                self._nodes[id(node)] = (node, address)
         return output
 
     @staticmethod
@@ -109,10 +110,10 @@ class RecomputedNorms:
             return saved
         source, output_nr = node.next_functions[0]
         for context in reversed(_active.stack):
-            address = context._nodes.get(id(source))
-            entry = None if address is None else context._makers.get(address)
+            node, address = context._nodes.get(id(source), (None, None))
+            entry = None if node is not source else context._makers.get(address)
             output = None if entry is None else entry[0]()
-            if output is None or output.grad_fn is not source or output.output_nr != output_nr:
+            if output is None or output.output_nr != output_nr:
                 continue
             whole = output.shape == saved.shape and output.device == saved.device and saved.is_contiguous()
             if whole and output._version == entry[1]:

@@ -504,19 +504,20 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, keep_activation):
-        x2d = _rows(x)
-        h = x2d @ w_gate_up
+        h = _rows(x) @ w_gate_up
         a = swiglu_act_op(h)
         y = a @ w_down
-        ctx.save_for_backward(x2d, w_gate_up, w_down, h, *((a,) if keep_activation else ()))
+        # x itself, not a view made here: a saved-tensor hook then sees the autograd node that
+        # made it (RecomputedNorms makes an autocast cast of a norm output again by it)
+        ctx.save_for_backward(x, w_gate_up, w_down, h, *((a,) if keep_activation else ()))
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], w_down.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
         refuse_create_graph("swiglu_mlp")
-        x2d, w_gate_up, w_down, h, *kept = ctx.saved_tensors
-        dy2d = _rows(dy)
+        x, w_gate_up, w_down, h, *kept = ctx.saved_tensors
+        x2d, dy2d = _rows(x), _rows(dy)
         needs_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         # len(), not `not kept`: Dynamo (torch 2.11) cannot pass `not` of a tuple as a value
         write_a = ctx.needs_input_grad[2] and len(kept) == 0

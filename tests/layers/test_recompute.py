@@ -96,11 +96,12 @@ def test_nothing_is_repacked_without_grad_or_when_disabled():
         assert norms.register(x, lambda: x) is x and not norms._makers
 
 
-@pytest.mark.parametrize("padding", [False, True])
-def test_llama_with_recomputed_norms_gives_the_same_bits_and_keeps_less(monkeypatch, padding):
+@pytest.mark.parametrize(("padding", "autocast"), [(False, False), (True, False), (False, True)])
+def test_llama_with_recomputed_norms_gives_the_same_bits_and_keeps_less(monkeypatch, padding, autocast):
     """Both norm outputs of every layer are saved as recipes (the hooks' own bookkeeping:
     saved_tensors_hooks do not nest, so an outer counter would see nothing inside), and the
-    loss and every gradient keep their bits."""
+    loss and every gradient keep their bits; fp32 weights under autocast too, where the
+    projections save bf16 casts of the outputs."""
     made = []
     init = recompute_module._Recipe.__init__
 
@@ -120,7 +121,7 @@ def test_llama_with_recomputed_norms_gives_the_same_bits_and_keeps_less(monkeypa
         for layer in model.model.layers:
             layer.recompute_norms = recompute
         made.clear()
-        with deterministic():
+        with deterministic(), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=ids, attention_mask=mask).loss
             results[recompute] = (loss.detach(), torch.autograd.grad(loss, list(model.parameters())))
         assert len({id(make) for make in made}) == (2 * TINY.num_hidden_layers if recompute else 0)
@@ -131,10 +132,13 @@ def test_llama_with_recomputed_norms_gives_the_same_bits_and_keeps_less(monkeypa
 
 
 @pytest.mark.gpu
-def test_llama_keeps_two_norm_outputs_a_layer_fewer_on_the_gpu():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_llama_keeps_two_norm_outputs_a_layer_fewer_on_the_gpu(dtype):
+    """bf16 weights, or fp32 weights under bf16 autocast (the projections' bf16 casts of the
+    norm outputs are what is no longer kept)."""
     config = LlamaConfig(**{**vars(TINY), "hidden_size": 256, "num_attention_heads": 4, "head_dim": None})
     torch.manual_seed(0)
-    model = Llama(config, device="cuda", dtype=torch.bfloat16)
+    model = Llama(config, device="cuda", dtype=dtype)
     ids = torch.randint(0, config.vocab_size, (4, 16), device="cuda")
     model(ids, labels=ids).loss.backward()  # a first step's one-time allocations are not counted
     model.zero_grad(set_to_none=True)
@@ -144,7 +148,8 @@ def test_llama_keeps_two_norm_outputs_a_layer_fewer_on_the_gpu():
             layer.recompute_norms = recompute
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        loss = model(ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+            loss = model(ids, labels=ids).loss
         held[recompute] = torch.cuda.memory_allocated() - before
         loss.backward()
         del loss  # else the next pass's `before` holds this loss and its `held` does not hold its own
