@@ -23,17 +23,43 @@ __all__ = ["RecomputedNorms", "register_norm_output"]
 _active = threading.local()
 
 
-class _Recipe:
-    """A saved norm output: the function that makes the whole output again, and the view of
-    it that was saved."""
+def _check_version(tensor: torch.Tensor | None, version: int) -> None:
+    """Autograd's own check, which it skips for tensors that saved-tensor hooks packed."""
+    if tensor is not None and tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version {version} "
+            "instead (saved inside lstrain's RecomputedNorms)"
+        )
 
-    __slots__ = ("make", "offset", "shape", "stride")
 
-    def __init__(self, make: Callable[[], torch.Tensor], saved: torch.Tensor) -> None:
-        self.make = make
-        self.shape, self.stride, self.offset = saved.shape, saved.stride(), saved.storage_offset()
+class _Kept:
+    """A tensor saved as it is, with its version when saved."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
 
     def unpack(self) -> torch.Tensor:
+        _check_version(self.tensor, self.version)
+        return self.tensor
+
+
+class _Recipe:
+    """A saved norm output (or a cast of it): the function that makes the whole tensor again,
+    the view of it that was saved, and the whole tensor, weakly, with its version then (one
+    changed in place afterwards fails backward, as autograd's check would)."""
+
+    __slots__ = ("make", "offset", "shape", "stride", "version", "whole")
+
+    def __init__(self, make: Callable[[], torch.Tensor], saved: torch.Tensor, whole: torch.Tensor) -> None:
+        self.make = make
+        self.shape, self.stride, self.offset = saved.shape, saved.stride(), saved.storage_offset()
+        self.whole, self.version = weakref.ref(whole), whole._version
+
+    def unpack(self) -> torch.Tensor:
+        _check_version(self.whole(), self.version)
         return self.make().as_strided(self.shape, self.stride, self.offset)
 
 
@@ -43,10 +69,13 @@ class RecomputedNorms:
 
     A registered output is matched by its memory while it is alive and unchanged (held
     weakly: once it is freed, a tensor that takes its memory is not mistaken for it; once
-    changed in place, it is saved as it is); a contiguous dtype cast of it (``.to(dtype)``,
-    as autocast casts a matmul's input) by its autograd node, whose input is the output. ``make`` must return
-    a new contiguous tensor equal to the output (as the norm's forward kernel run again on
-    the norm's saved input does), and hold only tensors that backward keeps anyway.
+    changed in place, it is saved as it is); (a view of) a whole dtype cast of it
+    (``.to(dtype)``, as autocast casts a matmul's input) by the cast's autograd node, whose
+    input is the output's. ``make`` must return a new contiguous tensor equal to the output
+    (as the norm's forward kernel run again on the norm's saved input does), and hold only
+    tensors that backward keeps anyway. A tensor saved in the context and changed in place
+    before backward fails backward, as it would without the context (autograd skips its own
+    check for tensors that hooks pack).
 
     Nothing is repacked, and no hooks are installed, without grad mode, under
     ``torch.compile`` (Inductor's partitioner decides what to recompute) or when not
@@ -88,7 +117,7 @@ class RecomputedNorms:
     @staticmethod
     def _pack(saved: torch.Tensor):
         if not _plain(saved):
-            return saved
+            return _Kept(saved)
         address = saved.untyped_storage().data_ptr()
         # the innermost context's hooks pack for the outer ones too
         for context in reversed(_active.stack):
@@ -98,16 +127,18 @@ class RecomputedNorms:
                 continue
             same = output.dtype == saved.dtype and output.device == saved.device
             if same and output._version == entry[1] == saved._version:
-                return _Recipe(entry[2], saved)
-            return saved
+                return _Recipe(entry[2], saved, output)
+            return _Kept(saved)
         return RecomputedNorms._pack_cast(saved)
 
     @staticmethod
     def _pack_cast(saved: torch.Tensor):
-        """``saved`` as a recipe if it is a whole, unchanged dtype cast of a registered output."""
-        node = saved.grad_fn
-        if type(node).__name__ != "ToCopyBackward0" or saved._version or saved.storage_offset():
-            return saved
+        """``saved`` as a recipe if it is (a view of) a whole, unchanged dtype cast of a
+        registered output (``F.linear`` saves a [tokens, D] view of autocast's cast)."""
+        cast = saved._base if saved._is_view() else saved
+        node = cast.grad_fn
+        if type(node).__name__ != "ToCopyBackward0" or cast._version or cast.storage_offset():
+            return _Kept(saved)
         source, output_nr = node.next_functions[0]
         for context in reversed(_active.stack):
             node, address = context._nodes.get(id(source), (None, None))
@@ -115,15 +146,17 @@ class RecomputedNorms:
             output = None if entry is None else entry[0]()
             if output is None or output.output_nr != output_nr:
                 continue
-            whole = output.shape == saved.shape and output.device == saved.device and saved.is_contiguous()
-            if whole and output._version == entry[1]:
-                return _Recipe(lambda make=entry[2], dtype=saved.dtype: make().to(dtype), saved)
-            return saved
-        return saved
+            # the output as registered: its memory (not replaced through .data) and version
+            same = output.untyped_storage().data_ptr() == address and output._version == entry[1]
+            whole = output.shape == cast.shape and output.device == cast.device and cast.is_contiguous()
+            if same and whole:
+                return _Recipe(lambda make=entry[2], dtype=cast.dtype: make().to(dtype), saved, cast)
+            return _Kept(saved)
+        return _Kept(saved)
 
     @staticmethod
     def _unpack(packed):
-        return packed.unpack() if isinstance(packed, _Recipe) else packed
+        return packed.unpack()
 
     def __enter__(self) -> RecomputedNorms:
         if self.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling() and _free_to_hook():
@@ -150,7 +183,7 @@ def _plain(t: torch.Tensor) -> bool:
 def _free_to_hook() -> bool:
     """No saved-tensor hooks are active, or only a RecomputedNorms' own."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is None or isinstance(getattr(top[0], "__self__", None), RecomputedNorms)
+    return top is None or top[0] is RecomputedNorms._pack
 
 
 def register_norm_output(output: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:

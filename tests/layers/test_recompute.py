@@ -55,13 +55,17 @@ def test_a_registered_output_is_saved_as_a_recipe_and_made_again_in_backward():
         assert torch.equal(kept, made)
 
 
-@pytest.mark.parametrize("cast", ["autocast", "to", "cast changed in place", "cast of another tensor"])
+CASTS = ["autocast", "autocast F.linear", "to", "cast changed in place", "cast of another tensor", ".data replaced"]
+
+
+@pytest.mark.parametrize("cast", CASTS)
 def test_a_dtype_cast_of_a_registered_output_is_made_again_as_the_cast(cast):
     """fp32 weights under autocast: the projection saves autocast's bf16 copy of the fp32 norm
-    output, which is made again as the output cast again (the same bits); a cast changed in
-    place, or the cast of a tensor that is not registered, is saved as it is."""
+    output (F.linear a [tokens, D] view of it), which is made again as the output cast again
+    (the same bits); a cast changed in place, the cast of a tensor that is not registered, or
+    of an output whose memory was replaced through ``.data``, is saved as it is."""
     device_type = torch.device(DEVICE).type
-    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    h = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(16, device=DEVICE, requires_grad=True)
     proj = torch.randn(16, 8, device=DEVICE, requires_grad=True)
     made = []
@@ -76,6 +80,11 @@ def test_a_dtype_cast_of_a_registered_output_is_made_again_as_the_cast(cast):
             if cast == "autocast":
                 with torch.autocast(device_type, dtype=torch.bfloat16):
                     return (normed @ proj).float().square().sum()
+            if cast == "autocast F.linear":
+                with torch.autocast(device_type, dtype=torch.bfloat16):
+                    return torch.nn.functional.linear(normed, proj.t()).float().square().sum()
+            if cast == ".data replaced":
+                normed.data = normed.data * 2
             low = (normed * 1 if cast == "cast of another tensor" else normed).to(torch.bfloat16)
             if cast == "cast changed in place":
                 low.mul_(3)
@@ -83,9 +92,43 @@ def test_a_dtype_cast_of_a_registered_output_is_made_again_as_the_cast(cast):
 
     kept = torch.autograd.grad(loss(False), (h, w, proj))
     remade = torch.autograd.grad(loss(True), (h, w, proj))
-    assert len(made) == (1 if cast in ("autocast", "to") else 0)
+    assert len(made) == (1 if cast in ("autocast", "autocast F.linear", "to") else 0)
     for a, b in zip(kept, remade, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("changed", ["a saved input", "the saved norm output", "a saved cast of it"])
+def test_a_saved_tensor_changed_in_place_fails_backward_as_without_the_context(changed):
+    """Autograd skips its in-place check for tensors that saved-tensor hooks pack; the
+    context keeps it, for what it saves as it is and for what it makes again."""
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    proj = torch.randn(16, 8, device=DEVICE, requires_grad=True)
+    for recompute in (False, True):
+        with RecomputedNorms(enabled=recompute) as norms:
+            normed = norms.register(rms_norm(h, (16,), w), lambda: rms_norm(h.detach(), (16,), w.detach()))
+            low = normed.to(torch.bfloat16)
+            loss = (normed @ proj).sum() + (low @ proj.to(torch.bfloat16)).float().sum() + (h * proj[:, 0]).sum()
+        target = {"a saved input": proj, "the saved norm output": normed, "a saved cast of it": low}[changed]
+        with torch.no_grad():
+            target.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_a_context_inside_another_repacks_its_own_outputs():
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    proj = torch.randn(16, 8, device=DEVICE, requires_grad=True)
+    made = []
+    with RecomputedNorms() as outer:
+        outer_normed = outer.register(rms_norm(h, (16,), w), lambda: made.append("outer") or rms_norm(h, (16,), w))
+        with RecomputedNorms() as inner:
+            assert inner._hooks is not None
+            normed = inner.register(rms_norm(h, (16,), w), lambda: made.append("inner") or rms_norm(h, (16,), w))
+            loss = (normed @ proj).sum() + (outer_normed @ proj).sum()
+    loss.backward()
+    assert sorted(made) == ["inner", "outer"]
 
 
 def test_nothing_is_repacked_without_grad_or_when_disabled():
@@ -105,9 +148,9 @@ def test_llama_with_recomputed_norms_gives_the_same_bits_and_keeps_less(monkeypa
     made = []
     init = recompute_module._Recipe.__init__
 
-    def counting_init(self, make, saved):
+    def counting_init(self, make, *rest):
         made.append(make)
-        init(self, make, saved)
+        init(self, make, *rest)
 
     monkeypatch.setattr(recompute_module._Recipe, "__init__", counting_init)
     torch.manual_seed(0)

@@ -591,7 +591,7 @@ def test_recomputed_norm_outputs_keep_every_bit(monkeypatch, family, autocast):
     made = []
     init = recompute._Recipe.__init__
     monkeypatch.setattr(
-        recompute._Recipe, "__init__", lambda self, make, saved: made.append(make) or init(self, make, saved)
+        recompute._Recipe, "__init__", lambda self, make, *rest: made.append(make) or init(self, make, *rest)
     )
     kept, recomputed = copy.deepcopy(_model(family)), _model(family)
     lstrain.patch(kept, recompute_norms=False)
