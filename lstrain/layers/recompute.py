@@ -34,12 +34,15 @@ def _check_version(tensor: torch.Tensor | None, version: int) -> None:
 
 
 class _Kept:
-    """A tensor saved as it is, with its version when saved."""
+    """A tensor saved as it is, with its version when saved. Held detached (the same memory
+    and version counter; autograd gives the unpacked tensor its node back): a node's own
+    output held with its node would be a reference cycle through C++, which the garbage
+    collector cannot free when the graph is dropped without a backward."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
+        self.tensor, self.version = tensor.detach(), tensor._version
 
     def unpack(self) -> torch.Tensor:
         _check_version(self.tensor, self.version)
@@ -137,7 +140,13 @@ class RecomputedNorms:
         registered output (``F.linear`` saves a [tokens, D] view of autocast's cast)."""
         cast = saved._base if saved._is_view() else saved
         node = cast.grad_fn
-        if type(node).__name__ != "ToCopyBackward0" or cast._version or cast.storage_offset():
+        # a view that changes the dtype (view_as_complex) is not the cast's bits
+        if (
+            type(node).__name__ != "ToCopyBackward0"
+            or saved.dtype != cast.dtype
+            or cast._version
+            or cast.storage_offset()
+        ):
             return _Kept(saved)
         source, output_nr = node.next_functions[0]
         for context in reversed(_active.stack):

@@ -1,6 +1,8 @@
 """lstrain.layers.RecomputedNorms and the decoder layer's recomputed norm outputs."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -55,7 +57,10 @@ def test_a_registered_output_is_saved_as_a_recipe_and_made_again_in_backward():
         assert torch.equal(kept, made)
 
 
-CASTS = ["autocast", "autocast F.linear", "to", "cast changed in place", "cast of another tensor", ".data replaced"]
+CASTS = [
+    "autocast", "autocast F.linear", "to", "cast changed in place", "cast of another tensor", ".data replaced",
+    "complex view of a cast",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("cast", CASTS)
@@ -85,6 +90,9 @@ def test_a_dtype_cast_of_a_registered_output_is_made_again_as_the_cast(cast):
                     return torch.nn.functional.linear(normed, proj.t()).float().square().sum()
             if cast == ".data replaced":
                 normed.data = normed.data * 2
+            if cast == "complex view of a cast":  # a view of the whole cast, in another dtype
+                pairs = torch.view_as_complex(normed.double().view(2, 3, 8, 2))
+                return (pairs * pairs).abs().sum() + proj.sum()
             low = (normed * 1 if cast == "cast of another tensor" else normed).to(torch.bfloat16)
             if cast == "cast changed in place":
                 low.mul_(3)
@@ -114,6 +122,18 @@ def test_a_saved_tensor_changed_in_place_fails_backward_as_without_the_context(c
             target.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def test_a_graph_dropped_without_backward_is_freed():
+    # exp saves its own output: held as it is, that output and its node would keep each other alive
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    with RecomputedNorms():
+        y = h.exp()
+        loss = y.sum()
+    alive = weakref.ref(y)
+    del y, loss
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_context_inside_another_repacks_its_own_outputs():
