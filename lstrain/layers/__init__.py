@@ -10,7 +10,7 @@ same parameter names and shapes, from plain torch ops.
 from lstrain.layers.attention import SelfAttention, sdpa_mask
 from lstrain.layers.decoder import DecoderLayer, add_norm
 from lstrain.layers.mlp import MLP
-from lstrain.layers.recompute import RecomputedNorms, register_norm_output
+from lstrain.layers.recompute import RecomputedNorms, register_norm_output, remake_rms_norm
 from lstrain.layers.rotary import RotaryAttention, rope_qkv_torch, rope_torch, rotary_cos_sin
 from lstrain.layers.swiglu import SwiGLU
 from lstrain.layers.transformer import TransformerLayer
@@ -25,6 +25,7 @@ __all__ = [
     "TransformerLayer",
     "add_norm",
     "register_norm_output",
+    "remake_rms_norm",
     "rope_qkv_torch",
     "rope_torch",
     "rotary_cos_sin",

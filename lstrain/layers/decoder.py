@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 import lstrain.nn
-from lstrain.layers.recompute import RecomputedNorms
+from lstrain.layers.recompute import RecomputedNorms, remake_rms_norm
 from lstrain.layers.rotary import RotaryAttention
 from lstrain.layers.swiglu import SwiGLU
-from lstrain.ops import add_rms_norm, linear_add_rms_norm_swiglu, rms_norm
+from lstrain.ops import add_rms_norm, linear_add_rms_norm_swiglu
 
 __all__ = ["DecoderLayer", "add_norm"]
 
@@ -132,11 +132,11 @@ class DecoderLayer(torch.nn.Module):
             if residual is None:
                 residual, normed = x, self.input_layernorm(x)
                 if type(self.input_layernorm) is lstrain.nn.RMSNorm:
-                    normed = norms.register(normed, _renorm(self.input_layernorm, residual))
+                    normed = norms.register(normed, remake_rms_norm(self.input_layernorm, residual))
             else:
                 normed, residual = add_norm(self.input_layernorm, x, residual, self.fused)
                 if _kernel_norm(self.input_layernorm):
-                    normed = norms.register(normed, _renorm(self.input_layernorm, residual))
+                    normed = norms.register(normed, remake_rms_norm(self.input_layernorm, residual))
             if self._epilogue_norm(residual):
                 attn, norm, mlp = self.self_attn, self.post_attention_layernorm, self.mlp
                 return linear_add_rms_norm_swiglu(
@@ -146,7 +146,7 @@ class DecoderLayer(torch.nn.Module):
             attn = self.self_attn(normed, cos, sin, key_padding_mask)
             normed, residual = add_norm(self.post_attention_layernorm, attn, residual, self.fused)
             if _kernel_norm(self.post_attention_layernorm):
-                normed = norms.register(normed, _renorm(self.post_attention_layernorm, residual))
+                normed = norms.register(normed, remake_rms_norm(self.post_attention_layernorm, residual))
             return self.mlp(normed), residual
 
     def _epilogue_norm(self, residual: torch.Tensor) -> bool:
@@ -174,10 +174,3 @@ def _kernel_norm(norm: torch.nn.Module) -> bool:
     """Whether ``norm`` is an RMSNorm whose output lstrain's RMSNorm kernels make (fused add
     + norm, and the output made again in backward): torch's or lstrain's class itself."""
     return type(norm) in (torch.nn.RMSNorm, lstrain.nn.RMSNorm)
-
-
-def _renorm(norm: lstrain.nn.RMSNorm, stream: torch.Tensor):
-    """What makes ``norm``'s output again from the residual stream it normalised: the same
-    kernel arithmetic on the same stored sum, so the same bits."""
-    weight = None if norm.weight is None else norm.weight.detach()
-    return lambda: rms_norm(stream.detach(), norm.normalized_shape, weight, norm.eps)

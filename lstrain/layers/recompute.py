@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["RecomputedNorms", "register_norm_output"]
+from lstrain.ops import rms_norm
+
+__all__ = ["RecomputedNorms", "register_norm_output", "remake_rms_norm"]
 
 _active = threading.local()
 
@@ -210,3 +212,19 @@ def register_norm_output(output: torch.Tensor, make: Callable[[], torch.Tensor])
         return output
     stack = _active.__dict__.get("stack")
     return stack[-1].register(output, make) if stack else output
+
+
+def remake_rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A ``make`` for :meth:`RecomputedNorms.register`: ``norm``'s output made again from its
+    input ``x`` with the weight it has now (an offload hook may take it away after the
+    forward), through the same kernel, so with the same bits.
+
+    Args:
+        norm: an RMSNorm (``torch.nn.RMSNorm`` or ``lstrain.nn.RMSNorm``).
+        x: the input it normalised (the residual stream, which its backward keeps anyway).
+
+    Returns:
+        A function of no arguments returning a new tensor equal to ``norm(x)``.
+    """
+    weight = None if norm.weight is None else norm.weight.detach()
+    return lambda: rms_norm(x.detach(), norm.normalized_shape, weight, norm.eps)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lstrain.ops
-from lstrain.layers.recompute import RecomputedNorms, register_norm_output
+from lstrain.layers.recompute import RecomputedNorms, register_norm_output, remake_rms_norm
 from lstrain.nn.layer_norm import LayerNorm
 from lstrain.nn.rms_norm import RMSNorm
 from lstrain.patch.attention import SKIP_SDPA, implied_positions, register_skip_sdpa
@@ -519,12 +519,8 @@ def _registering_norm_forward():
     the same input and weight (which the norm's backward keeps anyway) if it is saved there."""
 
     def forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        # the weight this forward used: an offload hook put it here and takes it away after
-        weight, again = norm.weight, x.detach()
-        output = norm.__dict__[_WRAPPED](x)
-        return register_norm_output(
-            output, lambda: lstrain.ops.rms_norm(again, norm.normalized_shape, weight, norm.eps)
-        )
+        make = remake_rms_norm(norm, x)  # before the forward: an offload hook takes the weight after
+        return register_norm_output(norm.__dict__[_WRAPPED](x), make)
 
     return forward
 
@@ -700,9 +696,10 @@ def patch(
     ``logits=None`` where gradients are enabled; under ``torch.no_grad()`` (evaluation), or
     with ``return_logits=True`` passed to the forward, transformers' own logits and loss.
     Patching a patched model with the same options is a no-op that returns the first report.
-    A module with hooks, or with its weights on the meta device (offloaded by accelerate,
-    whose hooks bring them back in its own forward), is not replaced: it is left alone, with
-    the reason in the report.
+    A module holding what a new module in its place would lose (hooks, its own
+    ``module.compile()`` or ``torch.compile`` wrapper, parametrizations, weights on the meta
+    device, which accelerate's offload hooks bring back in its own forward) is not replaced:
+    it is left alone, with the reason in the report.
 
     Args:
         model: the model instance.
